@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both install first.
+PYTHON ?= python3
+# The torch to install when none is present. An installed torch is kept as it is (never replaced).
+TORCH ?= torch==2.13.0
+RUN_DIR ?= runs/demo
+
+.PHONY: install demo test lint format bench
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH)"
+	@mkdir -p build
+	@$(PYTHON) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > build/constraints.txt
+	$(PYTHON) -m pip install -q -c build/constraints.txt -e ".[dev]"
+
+demo: install
+	swarm-peer --config configs/demo.yaml --solo --run-dir $(RUN_DIR)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+lint:
+	ruff check . && ruff format --check .
+
+format:
+	ruff check --fix . && ruff format .
+
+bench: install
+	$(PYTHON) benchmarks/memory.py && $(PYTHON) benchmarks/step_speed.py

@@ -1,0 +1,341 @@
+"""Typed run configuration: nested dataclasses, validated on construction, loaded from YAML.
+
+Usage::
+
+    cfg = load_config("configs/demo.yaml", overrides=["train.lr=3e-4"])
+    cfg.model.d_model, cfg.train.lr, cfg.experts.local
+
+Every section validates itself in ``__post_init__`` and raises ``ConfigError`` with one line naming the
+field, so a bad file or ``--set`` never gets as far as building a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range. The message names the field."""
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the MoE transformer. Same math as Hugging Face OLMoE."""
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    n_experts: int = 16
+    expert_hidden: int = 512  # SwiGLU hidden width of one expert
+    top_k: int = 2
+    norm_topk_prob: bool = False
+    max_seq_len: int = 2048
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    lb_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    moe_backend: Literal["grouped_mm", "megablocks"] = "grouped_mm"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "expert_hidden", "top_k"):
+            _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", "must divide model.n_heads")
+        _check(self.head_dim % 2 == 0, "model.n_heads", "head dimension d_model/n_heads must be even (RoPE)")
+        # grouped GEMM kernels need 16-byte aligned strides: a multiple of 8 covers fp32 and bf16.
+        _check(self.d_model % 8 == 0, "model.d_model", "must be a multiple of 8 (grouped GEMM alignment)")
+        _check(self.expert_hidden % 8 == 0, "model.expert_hidden", "must be a multiple of 8")
+        _check(self.top_k <= self.n_experts, "model.top_k", "must be <= model.n_experts")
+        _check(self.rope_theta > 0, "model.rope_theta", "must be > 0")
+        _check(self.lb_loss_coef >= 0 and self.z_loss_coef >= 0, "model.lb_loss_coef", "loss coefs >= 0")
+        _check(self.init_std > 0, "model.init_std", "must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ExpertsConfig:
+    """Which experts this peer trains. ``local`` lists them; ``per_peer`` asks for a count that the swarm
+    assigns when the peer joins (a solo peer takes the first ``per_peer``). Neither: train all experts."""
+
+    local: list[int] | None = None
+    per_peer: int | None = None
+    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.local is None or self.per_peer is None,
+            "experts.local",
+            "give either experts.local or experts.per_peer, not both",
+        )
+        if self.local is not None:
+            _check(len(self.local) >= 1, "experts.local", "must not be empty")
+            _check(len(set(self.local)) == len(self.local), "experts.local", "has duplicates")
+            _check(all(e >= 0 for e in self.local), "experts.local", "expert indices must be >= 0")
+        if self.per_peer is not None:
+            _check(self.per_peer >= 1, "experts.per_peer", "must be >= 1")
+
+    def resolve(self, n_experts: int) -> list[int]:
+        """The sorted expert indices a solo peer trains."""
+        if self.local is not None:
+            bad = [e for e in self.local if e >= n_experts]
+            _check(not bad, "experts.local", f"indices {bad} out of range for model.n_experts={n_experts}")
+            return sorted(self.local)
+        if self.per_peer is not None:
+            _check(self.per_peer <= n_experts, "experts.per_peer", f"must be <= model.n_experts={n_experts}")
+            return list(range(self.per_peer))
+        return list(range(n_experts))
+
+
+@dataclass
+class DataConfig:
+    """Token data. ``path: stdlib`` builds the embedded corpus (the Python standard library) on first use."""
+
+    path: str = "stdlib"
+    tokenizer: str | None = None  # optional tokenizer.json; checked against the one the data was made with
+    cache_dir: str | None = None  # where the stdlib corpus is built; default $SWARM_CACHE or ~/.cache/swarm
+    stdlib_vocab_size: int = 4096
+    seq_len: int = 256
+    micro_batch: int = 8
+    val_batches: int = 8
+    seed: int | None = None  # window sampling seed; each peer should differ (None: train.seed + 1)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "data.path", "must be a prepared data directory or 'stdlib'")
+        _check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
+        _check(self.micro_batch >= 1, "data.micro_batch", "must be >= 1")
+        _check(self.val_batches >= 1, "data.val_batches", "must be >= 1")
+        _check(
+            self.stdlib_vocab_size >= 260, "data.stdlib_vocab_size", "must be >= 260 (256 bytes + specials)"
+        )
+
+
+@dataclass
+class TrainConfig:
+    """Local optimisation: AdamW over trainable parameters, warm-up then cosine decay."""
+
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2000
+    decay_steps: int = 50000  # the cosine reaches min_lr_ratio * lr here and stays there
+    max_steps: int = 50000
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    autocast_bf16: bool = True  # on CUDA only; CPU runs in fp32
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # YAML gives a list
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.decay_steps >= 1, "train.decay_steps", "must be >= 1")
+        _check(self.max_steps >= 0, "train.max_steps", "must be >= 0")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas", "two values in [0,1)"
+        )
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+        _check(self.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+        _check(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+            "train.device",
+            "auto|cpu|cuda",
+        )
+        for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+
+
+@dataclass
+class SyncConfig:
+    """How often and how strongly a peer synchronises with the swarm (used by the networked peer)."""
+
+    sync_every: int = 100
+    sync_alpha: float = 1.0
+    outer_momentum: float = 0.0  # Nesterov outer momentum on (average - snapshot); 0 disables
+    merge_warmup_steps: int = 0
+    merge_every: int = 1
+    merge_topk: int = 4
+    merge_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
+        _check(0 < self.sync_alpha <= 1, "sync.sync_alpha", "must be in (0, 1]")
+        _check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")
+        _check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")
+        _check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
+        _check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
+        _check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
+
+
+@dataclass
+class RunConfig:
+    """One run: everything a peer needs. Peers of one swarm must agree on ``fingerprint()``."""
+
+    run_id: str = "swarm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_id) and "." not in self.run_id, "run_id", "must be non-empty and contain no '.'")
+        _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", "must be <= model.max_seq_len")
+        self.experts.resolve(self.model.n_experts)  # range checks that need the model shape
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of what must match across peers of one run: the model shape and the run id."""
+        blob = json.dumps({"run_id": self.run_id, "model": dataclasses.asdict(self.model)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise ConfigError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: invalid value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, name, f"must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        _check(isinstance(value, (list, tuple)), name, f"must be a list, got {value!r}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, inner, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), name, f"must be a mapping, got {value!r}")
+        return _build(tp, value, name)
+    if tp is bool:
+        _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        _check(
+            isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}"
+        )
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 5e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(
+            isinstance(value, (int, float)) and not isinstance(value, bool),
+            name,
+            f"must be a number, got {value!r}",
+        )
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), name, f"must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        _check(
+            key in known, f"{prefix}{'.' if prefix else ''}{key}", f"unknown field (known: {sorted(known)})"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}{'.' if prefix else ''}{k}") for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field missing
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    _check("=" in item, "--set", f"expected key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        _check(isinstance(node, dict), key, "is not a section")
+    node[parts[-1]] = value
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    raw = json.loads(json.dumps(raw))  # deep copy; also rejects non-JSON YAML oddities early
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return _build(RunConfig, raw)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML preset, apply ``key=value`` overrides and validate. Raises ConfigError (one line)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    if raw is None:
+        raw = {}
+    _check(isinstance(raw, dict), str(path), "must be a YAML mapping of sections")
+    try:
+        return config_from_dict(raw, overrides)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    data = cfg.to_dict()
+    data["train"]["betas"] = list(data["train"]["betas"])
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

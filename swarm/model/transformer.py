@@ -1,0 +1,173 @@
+"""Decoder-only MoE transformer with OLMoE math, written for one device.
+
+Usage::
+
+    model = MoETransformer(cfg.model, local_experts=[0, 1, 2, 3], frozen_dtype=torch.bfloat16)
+    model.init_weights(seed=0)            # identical weights on every peer, whatever its local experts
+    out = model(tokens[:, :-1], targets=tokens[:, 1:])
+    out.loss.backward()                   # gradients only for dense weights and experts 0-3
+
+``canonical_state_dict()`` gives every expert in the full [E, ...] layout regardless of the local split;
+checkpoints, export and the swarm exchange that form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.config import ModelConfig
+from swarm.model.layers import Attention, RMSNorm, RotaryEmbedding
+from swarm.model.moe import MoELayer, load_balancing_loss, routed_token_counts, router_z_loss
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None  # lm + lb_coef * lb + z_coef * z
+    lm_loss: torch.Tensor | None = None
+    lb_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    expert_tokens: torch.Tensor | None = None  # [E] token copies routed to each expert, all layers
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, local_ids: list[int], frozen_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.moe = MoELayer(cfg, local_ids, frozen_dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        x = x + self.attn(self.attn_norm(x), rope)
+        y, stats = self.moe(self.ffn_norm(x))
+        return x + y, stats
+
+
+def _expert_keys(layer: int) -> tuple[str, str]:
+    return f"layers.{layer}.moe.experts.gate_up", f"layers.{layer}.moe.experts.down"
+
+
+class MoETransformer(nn.Module):
+    """The model one peer holds in full. ``local_experts`` are trainable; the rest are frozen buffers."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        local_experts: list[int] | None = None,
+        frozen_dtype: str | torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.frozen_dtype = _DTYPES[frozen_dtype] if isinstance(frozen_dtype, str) else frozen_dtype
+        self.local_experts = sorted(range(cfg.n_experts) if local_experts is None else local_experts)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(
+            Block(cfg, self.local_experts, self.frozen_dtype) for _ in range(cfg.n_layers)
+        )
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    # -- weights ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std) for every matrix, ones for norms. Each canonical tensor draws from its own
+        generator seeded by (seed, name), so the weights do not depend on which experts are local."""
+        state = {}
+        for name, shape in self.canonical_shapes().items():
+            if name.endswith("norm.weight"):
+                state[name] = torch.ones(shape)
+                continue
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            state[name] = torch.randn(shape, generator=gen) * self.cfg.init_std
+        self.load_canonical_state_dict(state)
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.cfg
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in self.named_parameters():
+            if ".experts." not in name:
+                shapes[name] = tuple(p.shape)
+        for layer in range(cfg.n_layers):
+            gu, dn = _expert_keys(layer)
+            shapes[gu] = (cfg.n_experts, 2 * cfg.expert_hidden, cfg.d_model)
+            shapes[dn] = (cfg.n_experts, cfg.d_model, cfg.expert_hidden)
+        return dict(sorted(shapes.items()))
+
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights, experts in full [E, ...] canonical order, fp32, detached copies."""
+        out = {n: p.detach().float().clone() for n, p in self.named_parameters() if ".experts." not in n}
+        for layer, block in enumerate(self.layers):
+            gu, dn = _expert_keys(layer)
+            out[gu], out[dn] = block.moe.experts.canonical()
+        return out
+
+    @torch.no_grad()
+    def load_canonical_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy canonical tensors in (strict: every key present, shapes checked)."""
+        want = self.canonical_shapes()
+        missing, extra = set(want) - set(state), set(state) - set(want)
+        if missing or extra:
+            raise ValueError(
+                f"state dict mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
+            )
+        for name, shape in want.items():
+            if tuple(state[name].shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            if ".experts." not in name:
+                p.copy_(state[name])
+        for layer, block in enumerate(self.layers):
+            gu, dn = _expert_keys(layer)
+            block.moe.experts.load_canonical(state[gu], state[dn])
+
+    def set_local_experts(self, local_experts: list[int]) -> None:
+        """Re-split every layer's experts (e.g. when the swarm assigns this peer its experts). Optimizer
+        state must be rebuilt by the caller: parameter objects change."""
+        state = self.canonical_state_dict()
+        device = self.embed.weight.device
+        self.local_experts = sorted(local_experts)
+        for block in self.layers:
+            block.moe = MoELayer(self.cfg, self.local_experts, self.frozen_dtype).to(device)
+        self.load_canonical_state_dict(state)
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def dense_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if ".experts." not in n}
+
+    def local_expert_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if ".experts." in n}
+
+    # -- compute ------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
+        x = self.embed(input_ids)
+        rope = self.rope(input_ids.shape[1], x.device, x.dtype)
+        stats = []
+        for block in self.layers:
+            x, s = block(x, rope)
+            stats.append(s)
+        logits = self.lm_head(self.norm(x))
+        out = ModelOutput(
+            logits=logits, expert_tokens=routed_token_counts(stats, self.cfg.n_experts).detach()
+        )
+        if targets is not None:
+            out.lm_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            out.lb_loss = load_balancing_loss(stats, self.cfg.n_experts)
+            out.z_loss = router_z_loss(stats)
+            out.loss = out.lm_loss + self.cfg.lb_loss_coef * out.lb_loss + self.cfg.z_loss_coef * out.z_loss
+        return out
