@@ -1,0 +1,20 @@
+"""The local trainer: optimizer over trainable parameters, schedule, checkpoints, metrics."""
+
+from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from swarm.train.memory import training_state_bytes
+from swarm.train.optimizer import build_optimizer
+from swarm.train.sync_hook import NoSync, StepReport, SyncHook
+from swarm.train.trainer import Trainer
+
+__all__ = [
+    "CheckpointError",
+    "NoSync",
+    "StepReport",
+    "SyncHook",
+    "Trainer",
+    "build_optimizer",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "training_state_bytes",
+]

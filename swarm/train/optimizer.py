@@ -1,0 +1,46 @@
+"""AdamW over a peer's trainable parameters, and its state as flat named tensors for safetensors."""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.model import MoETransformer
+from swarm.train.checkpoint import CheckpointError
+
+
+def build_optimizer(model: MoETransformer, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW over trainable parameters only; matrices decay, norms do not."""
+    decay, no_decay = [], []
+    for p in model.trainable_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
+
+
+def optimizer_tensors(model: MoETransformer, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in opt.state.items():
+        for key, value in st.items():
+            out[f"{names[id(p)]}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def load_optimizer_tensors(
+    model: MoETransformer, opt: torch.optim.Optimizer, flat: dict[str, torch.Tensor]
+) -> None:
+    params = dict(model.named_parameters())
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        name, _, slot = key.rpartition("/")
+        if name not in params:
+            raise CheckpointError(f"optimizer state for unknown parameter {name}")
+        state.setdefault(name, {})[slot] = value
+    for name, st in state.items():
+        p = params[name]
+        for slot in ("exp_avg", "exp_avg_sq"):
+            if slot in st and st[slot].shape != p.shape:
+                raise CheckpointError(f"optimizer state {name}/{slot} has shape {tuple(st[slot].shape)}")
+        opt.state[p] = {k: (v.to(p.device) if k != "step" else v) for k, v in st.items()}

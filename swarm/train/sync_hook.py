@@ -1,0 +1,43 @@
+"""The one seam between the local trainer and the swarm.
+
+The trainer calls ``hook.after_step(...)`` after every optimizer step and logs whatever round records it
+returns. A networked implementation (the swarm) snapshots, averages and applies weights there; ``NoSync``
+serves a solo peer and the tests. The trainer never touches the network itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class StepReport:
+    """What the trainer tells the hook after each optimizer step."""
+
+    step: int  # optimizer steps completed
+    tokens: int  # tokens processed since the run started
+    step_tokens: int  # tokens in this step
+    expert_tokens: torch.Tensor  # [E] token copies routed to each expert in this step, all layers
+    loss: float
+
+
+class SyncHook(Protocol):
+    def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+        """Run or advance a synchronisation round; may update ``model``'s weights in place.
+        Returns per-round records to append to metrics.jsonl (empty when nothing happened)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NoSync:
+    """A peer with no swarm: nothing to average. Used by ``swarm-peer --solo``."""
+
+    def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+        return []
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,282 @@
+"""The local trainer of one peer: AdamW over trainable parameters only, schedule, validation, checkpoints.
+
+Usage::
+
+    trainer = Trainer(cfg, run_dir, sync=NoSync())
+    trainer.setup(resume=True)      # fresh start, or exactly where the latest checkpoint left off
+    trainer.train(max_steps=500)
+
+Everything random comes from ``cfg.train.seed`` (weights, identical on every peer) and the data seed
+(windows, different per peer); a resumed run reproduces the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from swarm.config import ConfigError, RunConfig, load_config, save_config
+from swarm.data import DataError, TokenDataset, load_tokenizer, WindowSampler, ensure_stdlib_dataset, validation_batches
+from swarm.data.manifest import file_sha256
+from swarm.model import MoETransformer, check_backend
+from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from swarm.train.metrics_log import MetricsLog
+from swarm.train.optimizer import build_optimizer, load_optimizer_tensors, optimizer_tensors
+from swarm.train.schedule import lr_at
+from swarm.train.sync_hook import NoSync, StepReport, SyncHook
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {name} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def open_dataset(cfg: RunConfig, progress: bool = True) -> TokenDataset:
+    """The run's token data; ``data.path: stdlib`` builds the embedded corpus on first use."""
+    if cfg.data.path == "stdlib":
+        cache = Path(cfg.data.cache_dir or os.environ.get("SWARM_CACHE", Path.home() / ".cache" / "swarm"))
+        path = ensure_stdlib_dataset(cache, vocab_size=cfg.data.stdlib_vocab_size, progress=progress)
+    else:
+        path = Path(cfg.data.path)
+    ds = TokenDataset.open(path)
+    if cfg.data.tokenizer:
+        tok = load_tokenizer(cfg.data.tokenizer)  # DataError if missing or unreadable
+        if tok.get_vocab_size() != ds.vocab_size or file_sha256(cfg.data.tokenizer) != ds.tokenizer_sha256:
+            raise DataError(f"tokenizer {cfg.data.tokenizer} is not the one {path} was prepared with")
+    if ds.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's tokenizer "
+            f"vocabulary ({ds.vocab_size}, {path})"
+        )
+    return ds
+
+
+class Trainer:
+    """One peer's training loop (see module docstring)."""
+
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, sync: SyncHook | None = None, progress: bool = True
+    ) -> None:
+        self.cfg, self.run_dir, self.sync, self.progress = cfg, Path(run_dir), sync or NoSync(), progress
+        self.step, self.tokens = 0, 0
+        self.model: MoETransformer | None = None
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def setup(self, resume: bool = False, local_experts: list[int] | None = None) -> None:
+        cfg = self.cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = pick_device(cfg.train.device)
+        check_backend(cfg.model.moe_backend, self.device)
+        self._check_run_dir()
+        self.dataset = open_dataset(cfg, self.progress)
+        data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed + 1
+        self.sampler = WindowSampler(self.dataset, cfg.data.seq_len, cfg.data.micro_batch, seed=data_seed)
+        self.val = validation_batches(
+            self.dataset, cfg.data.seq_len, cfg.data.micro_batch, cfg.data.val_batches
+        )
+        ckpt = None
+        existing = latest_checkpoint(self.run_dir / "checkpoints")
+        if existing is not None and not resume:
+            raise CheckpointError(f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
+                                  "pass --resume to continue it or choose another --run-dir")
+        if resume:
+            path = latest_checkpoint(self.run_dir / "checkpoints")
+            if path is None:
+                print(
+                    f"no checkpoint in {self.run_dir / 'checkpoints'}; starting from scratch", file=sys.stderr
+                )
+            else:
+                ckpt = load_checkpoint(path)
+                if ckpt.state.get("fingerprint") != cfg.fingerprint():
+                    raise CheckpointError(
+                        f"checkpoint {path} belongs to another model/run (fingerprint differs)"
+                    )
+                local_experts = ckpt.state["local_experts"]
+        local = local_experts if local_experts is not None else cfg.experts.resolve(cfg.model.n_experts)
+        torch.manual_seed(cfg.train.seed)
+        self.model = MoETransformer(cfg.model, local, cfg.experts.frozen_dtype)
+        self.model.init_weights(cfg.train.seed)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg)
+        save_config(cfg, self.run_dir / "config.yaml")  # only now: every check above has passed
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        if ckpt is not None:
+            self._restore(ckpt)
+        else:
+            self.metrics.truncate_after(-1)  # a fresh run starts a fresh history
+
+    def _check_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        saved = self.run_dir / "config.yaml"
+        if saved.exists():
+            try:
+                old = load_config(saved)
+            except ConfigError:
+                old = None
+            if old is not None and old.fingerprint() != self.cfg.fingerprint():
+                raise ConfigError(
+                    f"run dir {self.run_dir} holds a run with a different model config; use another --run-dir"
+                )
+
+    def _restore(self, ckpt) -> None:
+        try:
+            self.model.load_canonical_state_dict(ckpt.model)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {ckpt.path}: {e}") from None
+        load_optimizer_tensors(self.model, self.optimizer, ckpt.optimizer)
+        self.step, self.tokens = ckpt.step, int(ckpt.state["tokens"])
+        self.sampler.load_state_dict(ckpt.state["sampler"])
+        dropped = self.metrics.truncate_after(self.step)
+        print(
+            f"resumed from {ckpt.path} at step {self.step} ({dropped} later metric records dropped)",
+            file=sys.stderr,
+        )
+
+    # -- pieces of a step ---------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda" and self.cfg.train.autocast_bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy on the held-out validation windows (same windows on every call and peer)."""
+        self.model.eval()
+        total = 0.0
+        for batch in self.val:
+            batch = batch.to(self.device)
+            with self._autocast():
+                total += self.model(batch[:, :-1], targets=batch[:, 1:]).lm_loss.item()
+        self.model.train()
+        return total / len(self.val)
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        accum = cfg.train.grad_accum
+        lm = lb = z = 0.0
+        expert_tokens = torch.zeros(cfg.model.n_experts, dtype=torch.long, device=self.device)
+        for _ in range(accum):
+            batch = self.sampler.next_batch().to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model(batch[:, :-1], targets=batch[:, 1:])
+            (out.loss / accum).backward()
+            lm, lb, z = (
+                lm + out.lm_loss.item() / accum,
+                lb + out.lb_loss.item() / accum,
+                z + out.z_loss.item() / accum,
+            )
+            expert_tokens += out.expert_tokens
+        params = self.model.trainable_parameters()
+        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:  # a non-finite gradient would poison weights and moments: drop this update
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += self._step_tokens()
+        rec = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "loss": lm,
+            "lr": lr,
+            "lb_loss": lb,
+            "z_loss": z,
+            "grad_norm": grad_norm,
+            "expert_tokens": expert_tokens.cpu(),
+        }
+        if skipped:
+            rec["skipped"] = True
+        return rec
+
+    def save(self) -> Path:
+        state = {
+            "tokens": self.tokens,
+            "fingerprint": self.cfg.fingerprint(),
+            "run_id": self.cfg.run_id,
+            "local_experts": self.model.local_experts,
+            "sampler": self.sampler.state_dict(),
+        }
+        return save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self.model.canonical_state_dict(),
+            optimizer_tensors(self.model, self.optimizer),
+            state,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Train until ``max_steps`` optimizer steps in total. Returns a summary (initial/final val loss)."""
+        t = self.cfg.train
+        target = t.max_steps if max_steps is None else max_steps
+        summary: dict[str, Any] = {"start_step": self.step}
+        if self.step == 0:
+            summary["initial_val_loss"] = self.evaluate()
+            self.metrics.write(step=0, tokens=0, val_loss=summary["initial_val_loss"])
+        bar = tqdm(
+            total=target,
+            initial=self.step,
+            disable=not self.progress,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 10.0,
+            desc=f"peer {self.cfg.run_id}",
+        )
+        window_t, window_tok = time.perf_counter(), 0
+        try:
+            while self.step < target:
+                rec = self.train_step()
+                window_tok += self._step_tokens()
+                report = StepReport(
+                    self.step, self.tokens, self._step_tokens(), rec.pop("expert_tokens"), rec["loss"]
+                )
+                for round_rec in self.sync.after_step(self.model, report):
+                    self.metrics.write(**round_rec)
+                last = self.step == target
+                do_eval = self.step % t.eval_every == 0 or last
+                if do_eval or self.step % t.log_every == 0 or last:
+                    now = time.perf_counter()
+                    rec["tokens_per_s"] = window_tok / max(now - window_t, 1e-9)
+                    if do_eval:
+                        rec["val_loss"] = self.evaluate()
+                    self.metrics.write(**rec)
+                    bar.set_postfix(
+                        loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False
+                    )
+                    window_t, window_tok = time.perf_counter(), 0  # evaluation time is not training time
+                bar.update(1)
+                if self.step % t.checkpoint_every == 0 or last:
+                    self.save()
+        except KeyboardInterrupt:
+            print(f"\ninterrupted at step {self.step}: writing a checkpoint", file=sys.stderr)
+            self.save()
+            raise
+        finally:
+            bar.close()
+        summary.update(end_step=self.step, tokens=self.tokens, final_val_loss=self.evaluate())
+        return summary
+
+    def _step_tokens(self) -> int:
+        return self.cfg.train.grad_accum * self.cfg.data.micro_batch * self.cfg.data.seq_len
+
+    def close(self) -> None:
+        self.sync.close()
+        if self.model is not None:
+            self.metrics.close()

@@ -1,0 +1,56 @@
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A model small enough that a training step takes milliseconds on 2 CPU cores.
+TINY_CONFIG = {
+    "run_id": "tiny",
+    "model": {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_experts": 8,
+              "expert_hidden": 32, "top_k": 2, "max_seq_len": 64},
+    "experts": {"per_peer": 2},
+    "data": {"seq_len": 32, "micro_batch": 4, "val_batches": 2},
+    "train": {"lr": 3e-3, "warmup_steps": 5, "decay_steps": 100, "max_steps": 100, "log_every": 1,
+              "eval_every": 10, "checkpoint_every": 10, "threads": 1},
+}
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A real prepared dataset: ~60 standard-library modules, byte-level BPE of 512 tokens."""
+    from swarm.data import prepare, train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("[a-m]*.py"))[:60]
+    tok = train_bpe_tokenizer(files, 512, root / "tokenizer.json")
+    prepare([str(f) for f in files], tok, root / "data", num_workers=1, progress=False)
+    return root / "data"
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_data) -> Path:
+    """Write the tiny config (pointing at ``tiny_data``) and return its path."""
+    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_peer(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``swarm-peer`` as a real process (``python -m peers.main``), bounded in time."""
+    return subprocess.run([sys.executable, "-m", "peers.main", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})

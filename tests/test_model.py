@@ -1,0 +1,135 @@
+"""The MoE transformer: HF OLMoE parity, expert subsets (bytes, gradients, frozen weights), determinism."""
+
+import pytest
+import torch
+
+from swarm.config import ModelConfig, RunConfig, config_from_dict
+from swarm.model import MoETransformer
+from swarm.model.hf_olmoe import from_olmoe_state_dict, olmoe_config, to_olmoe_state_dict
+from swarm.train import build_optimizer, training_state_bytes
+
+SMALL = dict(
+    vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_experts=16, expert_hidden=32, top_k=2, max_seq_len=64
+)
+
+
+def _model(local=None, frozen="float32", **kw) -> MoETransformer:
+    m = MoETransformer(ModelConfig(**{**SMALL, **kw}), local, frozen)
+    m.init_weights(seed=7)
+    return m
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"n_kv_heads": 2, "norm_topk_prob": True, "top_k": 4}, {"tie_embeddings": True}]
+)
+def test_logits_match_transformers_olmoe(kw):
+    from transformers import OlmoeForCausalLM
+
+    ours = _model(local=[0, 3, 5, 9], **kw).eval()
+    hf = OlmoeForCausalLM(olmoe_config(ours.cfg, pad_token_id=None, eos_token_id=None)).eval()
+    hf.load_state_dict(to_olmoe_state_dict(ours.canonical_state_dict()), strict=True)
+    x = torch.randint(0, ours.cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ours(x[:, :-1], targets=x[:, 1:])
+        b = hf(x[:, :-1], labels=x[:, :-1], output_router_logits=True)
+    assert (a.logits - b.logits).abs().max().item() < 1e-4
+    # HF's aux loss is the same load-balancing formula
+    assert abs(a.lb_loss.item() - b.aux_loss.item()) < 1e-5
+    assert from_olmoe_state_dict(hf.state_dict()).keys() >= ours.canonical_state_dict().keys() - {
+        "lm_head.weight"
+    }
+
+
+def test_init_is_independent_of_local_experts():
+    a = _model(local=[0, 1, 2, 3]).canonical_state_dict()
+    b = _model(local=[12, 13, 14, 15], frozen="bfloat16").canonical_state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        if ".experts." in k:  # bf16 frozen copies are the fp32 init rounded to bf16
+            assert torch.equal(a[k].bfloat16().float()[:4], b[k][:4])
+            assert torch.equal(a[k][12:], b[k][12:])
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_subset_model_computes_the_same_function():
+    full = _model()
+    sub = _model(local=[2, 5, 11, 14])
+    x = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        assert torch.allclose(full(x).logits, sub(x).logits, atol=1e-5)
+
+
+def _train_steps(model, steps=3):
+    cfg = RunConfig(model=model.cfg)
+    opt = build_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, 33), generator=gen)
+        out = model(x[:, :-1], targets=x[:, 1:])
+        out.loss.backward()
+        opt.step()
+    return opt
+
+
+def test_four_of_sixteen_holds_state_only_for_dense_and_local_experts():
+    local = [1, 4, 7, 10]
+    model = _model(local=local)
+    before = model.canonical_state_dict()
+    opt = _train_steps(model)
+    after = model.canonical_state_dict()
+
+    cfg = model.cfg
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    per_expert = cfg.n_layers * (3 * cfg.expert_hidden * cfg.d_model)
+    trainable = dense + len(local) * per_expert
+    got = training_state_bytes(model, opt)
+    assert got["trainable"] == 4 * trainable
+    assert got["grads"] == 4 * trainable  # gradients exist only for dense + 4 experts
+    # AdamW: exp_avg + exp_avg_sq per trainable element, plus one scalar step per parameter tensor
+    n_tensors = len(model.trainable_parameters())
+    assert got["optimizer"] == 4 * 2 * trainable + 4 * n_tensors
+    assert {id(p) for p in opt.state} == {id(p) for p in model.trainable_parameters()}
+    assert all(".experts." not in n or "_local" in n for n, p in model.named_parameters())
+
+    for key in before:
+        if ".experts." in key:
+            frozen = [e for e in range(cfg.n_experts) if e not in local]
+            assert torch.equal(before[key][frozen], after[key][frozen]), "a frozen expert changed"
+            assert not torch.equal(before[key][local], after[key][local]), "a local expert did not train"
+        else:
+            assert not torch.equal(before[key], after[key]), f"dense {key} did not train"
+
+
+def test_frozen_experts_still_receive_tokens_and_pass_gradients():
+    model = _model(local=[0])
+    x = torch.randint(0, 256, (4, 33))
+    out = model(x[:, :-1], targets=x[:, 1:])
+    assert out.expert_tokens.sum().item() == 4 * 32 * model.cfg.top_k * model.cfg.n_layers
+    assert (out.expert_tokens[1:] > 0).any()
+    out.loss.backward()
+    # routers see every expert, so their gradient covers the frozen experts' rows too
+    assert model.layers[0].moe.gate.weight.grad[1:].abs().sum() > 0
+
+
+def test_bf16_frozen_experts_halve_frozen_bytes():
+    fp32 = training_state_bytes(_model(local=[0, 1, 2, 3]))
+    bf16 = training_state_bytes(_model(local=[0, 1, 2, 3], frozen="bfloat16"))
+    cfg = ModelConfig(**SMALL)
+    frozen_elems = 12 * cfg.n_layers * 3 * cfg.expert_hidden * cfg.d_model
+    assert fp32["frozen"] - bf16["frozen"] == 2 * frozen_elems
+
+
+def test_set_local_experts_keeps_weights():
+    model = _model(local=[0, 1])
+    ref = model.canonical_state_dict()
+    model.set_local_experts([5, 6, 7])
+    assert model.local_experts == [5, 6, 7]
+    for k, v in model.canonical_state_dict().items():
+        assert torch.equal(v, ref[k])
+    assert len(model.local_expert_parameters()) == 2 * model.cfg.n_layers
+
+
+def test_config_rejects_out_of_range_experts():
+    with pytest.raises(ValueError, match="experts.local"):
+        config_from_dict({"model": {"n_experts": 4}, "experts": {"local": [0, 4]}})
