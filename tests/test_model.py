@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.config import ModelConfig, RunConfig, config_from_dict
+from swarm.config import ModelConfig, TrainConfig, config_from_dict
 from swarm.model import MoETransformer
 from swarm.model.hf_olmoe import from_olmoe_state_dict, olmoe_config, to_olmoe_state_dict
 from swarm.train import build_optimizer, training_state_bytes
@@ -61,8 +61,7 @@ def test_subset_model_computes_the_same_function():
 
 
 def _train_steps(model, steps=3):
-    cfg = RunConfig(model=model.cfg)
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, TrainConfig())
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randint(0, 256, (4, 33), generator=gen)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,14 @@ import torch
 from tqdm import tqdm
 
 from swarm.config import ConfigError, RunConfig, load_config, save_config
-from swarm.data import DataError, TokenDataset, load_tokenizer, WindowSampler, ensure_stdlib_dataset, validation_batches
+from swarm.data import (
+    DataError,
+    TokenDataset,
+    WindowSampler,
+    ensure_stdlib_dataset,
+    load_tokenizer,
+    validation_batches,
+)
 from swarm.data.manifest import file_sha256
 from swarm.model import MoETransformer, check_backend
 from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -45,8 +51,7 @@ def pick_device(name: str) -> torch.device:
 def open_dataset(cfg: RunConfig, progress: bool = True) -> TokenDataset:
     """The run's token data; ``data.path: stdlib`` builds the embedded corpus on first use."""
     if cfg.data.path == "stdlib":
-        cache = Path(cfg.data.cache_dir or os.environ.get("SWARM_CACHE", Path.home() / ".cache" / "swarm"))
-        path = ensure_stdlib_dataset(cache, vocab_size=cfg.data.stdlib_vocab_size, progress=progress)
+        path = ensure_stdlib_dataset(cfg.data.cache_dir, vocab_size=cfg.data.stdlib_vocab_size, progress=progress)
     else:
         path = Path(cfg.data.path)
     ds = TokenDataset.open(path)
