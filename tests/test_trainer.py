@@ -163,3 +163,9 @@ def test_existing_checkpoints_need_resume(tiny_config, tmp_path):
     line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run)))
     assert "--resume" in line
     assert read_metrics(run / "metrics.jsonl") == before  # nothing saved was touched
+
+
+def test_megablocks_backend_on_cpu_exit_2(tiny_config, tmp_path):
+    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(tmp_path / "r"),
+                                    "--set", "model.moe_backend=megablocks"))
+    assert "megablocks" in line and "CUDA" in line
