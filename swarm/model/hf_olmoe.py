@@ -57,6 +57,8 @@ def olmoe_config(cfg: ModelConfig, **extra):
 def to_olmoe_state_dict(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename canonical tensors to OLMoE's in-memory (fused expert) names."""
     out = {}
+    if "lm_head.weight" not in canonical:  # tied embeddings: HF still lists the (shared) head
+        canonical = {**canonical, "lm_head.weight": canonical["embed.weight"]}
     for name, t in canonical.items():
         if name in _TOP_RENAMES:
             out[_TOP_RENAMES[name]] = t

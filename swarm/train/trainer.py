@@ -51,7 +51,9 @@ def pick_device(name: str) -> torch.device:
 def open_dataset(cfg: RunConfig, progress: bool = True) -> TokenDataset:
     """The run's token data; ``data.path: stdlib`` builds the embedded corpus on first use."""
     if cfg.data.path == "stdlib":
-        path = ensure_stdlib_dataset(cfg.data.cache_dir, vocab_size=cfg.data.stdlib_vocab_size, progress=progress)
+        path = ensure_stdlib_dataset(
+            cfg.data.cache_dir, vocab_size=cfg.data.stdlib_vocab_size, progress=progress
+        )
     else:
         path = Path(cfg.data.path)
     ds = TokenDataset.open(path)
@@ -94,21 +96,23 @@ class Trainer:
         ckpt = None
         existing = latest_checkpoint(self.run_dir / "checkpoints")
         if existing is not None and not resume:
-            raise CheckpointError(f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
-                                  "pass --resume to continue it or choose another --run-dir")
-        if resume:
-            path = latest_checkpoint(self.run_dir / "checkpoints")
-            if path is None:
-                print(
-                    f"no checkpoint in {self.run_dir / 'checkpoints'}; starting from scratch", file=sys.stderr
+            raise CheckpointError(
+                f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
+                "pass --resume to continue it or choose another --run-dir"
+            )
+        if resume and existing is None:
+            print(f"no checkpoint in {self.run_dir / 'checkpoints'}; starting from scratch", file=sys.stderr)
+        elif resume:
+            ckpt = load_checkpoint(existing)
+            if ckpt.state.get("fingerprint") != cfg.fingerprint():
+                raise CheckpointError(
+                    f"checkpoint {existing} belongs to another model/run (fingerprint differs)"
                 )
-            else:
-                ckpt = load_checkpoint(path)
-                if ckpt.state.get("fingerprint") != cfg.fingerprint():
-                    raise CheckpointError(
-                        f"checkpoint {path} belongs to another model/run (fingerprint differs)"
-                    )
-                local_experts = ckpt.state["local_experts"]
+            local_experts = ckpt.state.get("local_experts")
+            if not isinstance(local_experts, list) or not all(
+                isinstance(e, int) and 0 <= e < cfg.model.n_experts for e in local_experts
+            ):
+                raise CheckpointError(f"checkpoint {existing}: invalid local_experts {local_experts!r}")
         local = local_experts if local_experts is not None else cfg.experts.resolve(cfg.model.n_experts)
         torch.manual_seed(cfg.train.seed)
         self.model = MoETransformer(cfg.model, local, cfg.experts.frozen_dtype)
