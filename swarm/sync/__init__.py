@@ -1,0 +1,19 @@
+"""The SPES rules as pure tensor math (no network): expert claims, applying an average, the merge warm-up,
+and the checks every received tensor must pass."""
+
+from swarm.sync.apply_average import OuterStep
+from swarm.sync.claims import choose_experts, orphan_swap
+from swarm.sync.merge import merge_alpha_at, merge_experts, should_merge
+from swarm.sync.tensor_checks import RejectedTensor, check_tensor, clamp_weight
+
+__all__ = [
+    "OuterStep",
+    "RejectedTensor",
+    "check_tensor",
+    "choose_experts",
+    "clamp_weight",
+    "merge_alpha_at",
+    "merge_experts",
+    "orphan_swap",
+    "should_merge",
+]

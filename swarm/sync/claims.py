@@ -1,0 +1,51 @@
+"""Which experts a peer trains: fewest live holders first, so coverage fills up before replication."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Set
+
+
+def _tie_break(peer_id: str, expert: int) -> bytes:
+    # Peers that join at the same moment see the same holder counts; hashing (peer, expert) spreads them
+    # over different experts instead of all taking expert 0, yet every peer computes the same order.
+    return hashlib.sha256(f"{peer_id}:{expert}".encode()).digest()
+
+
+def choose_experts(holders: Mapping[int, Set[str]], n_experts: int, per_peer: int, peer_id: str) -> list[int]:
+    """The ``per_peer`` experts with the fewest live holders (other than ``peer_id``), ties broken
+    deterministically by a hash of (peer id, expert). Returns them sorted."""
+    if not 1 <= per_peer <= n_experts:
+        raise ValueError(f"per_peer must be in [1, {n_experts}], got {per_peer}")
+
+    def load(e: int) -> tuple[int, bytes]:
+        others = set(holders.get(e, ())) - {peer_id}
+        return len(others), _tie_break(peer_id, e)
+
+    return sorted(sorted(range(n_experts), key=load)[:per_peer])
+
+
+def orphan_swap(
+    mine: list[int],
+    holders: Mapping[int, Set[str]],
+    orphaned_for: Mapping[int, float],
+    grace_s: float,
+    peer_id: str,
+) -> tuple[int, int] | None:
+    """If some expert has had no live holder for ``grace_s`` seconds and every expert of this peer is
+    replicated (another live holder exists), return (expert to give up, orphan to take); else None.
+
+    The expert given up is the most replicated one; the orphan is the longest orphaned (ties by hash)."""
+    orphans = [
+        e
+        for e, since in orphaned_for.items()
+        if since >= grace_s and not (set(holders.get(e, ())) - {peer_id})
+    ]
+    if not orphans:
+        return None
+    replication = {e: len(set(holders.get(e, ())) - {peer_id}) for e in mine}
+    if not mine or min(replication.values()) < 1:
+        return None
+    take = max(orphans, key=lambda e: (orphaned_for[e], _tie_break(peer_id, e)))
+    give = max(mine, key=lambda e: (replication[e], _tie_break(peer_id, e)))
+    return give, take

@@ -1,0 +1,103 @@
+"""The SPES rules without a network: claims, applying an average, merge warm-up, tensor checks."""
+
+import math
+
+import pytest
+import torch
+
+from swarm.sync import (
+    OuterStep,
+    RejectedTensor,
+    check_tensor,
+    choose_experts,
+    clamp_weight,
+    merge_alpha_at,
+    merge_experts,
+    orphan_swap,
+    should_merge,
+)
+
+
+def test_claims_fill_coverage_before_replication():
+    holders: dict[int, set[str]] = {}
+    for peer in ["a", "b", "c", "d"]:
+        mine = choose_experts(holders, 16, 4, peer)
+        for e in mine:
+            holders.setdefault(e, set()).add(peer)
+    assert sorted(holders) == list(range(16)) and all(len(h) == 1 for h in holders.values())
+    fifth = choose_experts(holders, 16, 4, "e")  # everything covered once: any 4, deterministically
+    assert fifth == choose_experts(holders, 16, 4, "e") and len(set(fifth)) == 4
+
+
+def test_claims_ignore_own_records_and_prefer_uncovered():
+    holders = {0: {"x", "y"}, 1: {"x"}, 2: {"me"}}
+    assert choose_experts(holders, 4, 2, "me") == [2, 3]
+
+
+def test_orphan_swap_only_when_all_mine_are_replicated():
+    holders = {0: {"me", "b"}, 1: {"me", "c"}, 2: set()}
+    assert orphan_swap([0, 1], holders, {2: 100.0}, grace_s=60, peer_id="me") in {(0, 2), (1, 2)}
+    assert orphan_swap([0, 1], holders, {2: 10.0}, grace_s=60, peer_id="me") is None  # grace not over
+    holders[1] = {"me"}
+    assert orphan_swap([0, 1], holders, {2: 100.0}, grace_s=60, peer_id="me") is None  # 1 would be orphaned
+
+
+def test_apply_average_keeps_local_progress():
+    snap = {"w": torch.tensor([1.0, 2.0])}
+    avg = {"w": torch.tensor([3.0, 0.0])}
+    params = {"w": torch.tensor([1.5, 2.5])}  # moved by local steps taken during the round
+    OuterStep(alpha=1.0).apply(params, snap, avg)
+    assert torch.allclose(params["w"], torch.tensor([3.5, 0.5]))
+    params = {"w": torch.tensor([1.0, 2.0])}
+    OuterStep(alpha=0.5).apply(params, snap, avg)
+    assert torch.allclose(params["w"], torch.tensor([2.0, 1.0]))
+
+
+def test_nesterov_outer_momentum():
+    step = OuterStep(alpha=1.0, momentum=0.5)
+    p = {"w": torch.zeros(1)}
+    step.apply(p, {"w": torch.zeros(1)}, {"w": torch.ones(1)})  # m = 1, update = 1 + 0.5*1
+    assert p["w"].item() == pytest.approx(1.5)
+    step.apply(p, {"w": torch.zeros(1)}, {"w": torch.ones(1)})  # m = 1.5, update = 1 + 0.75
+    assert p["w"].item() == pytest.approx(3.25)
+
+
+def test_merge_matches_direct_formula():
+    torch.manual_seed(0)
+    e, i, h, topk, alpha = 6, 4, 8, 2, 0.3
+    gate_up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    local = [1, 4]
+    gu, dn = merge_experts(gate_up, down, local, alpha, topk)
+    for row, x in enumerate(local):
+        sims = []
+        for j in range(e):
+            if j != x:
+                a, b = gate_up[x, :i].flatten(), gate_up[j, :i].flatten()
+                sims.append((float(a @ b / (a.norm() * b.norm())), j))
+        nbrs = [j for _, j in sorted(sims, reverse=True)[:topk]]
+        want_gu = gate_up[x] + alpha * sum(gate_up[j] - gate_up[x] for j in nbrs) / topk
+        want_dn = down[x] + alpha * sum(down[j] - down[x] for j in nbrs) / topk
+        assert torch.allclose(gu[row], want_gu, atol=1e-6) and torch.allclose(dn[row], want_dn, atol=1e-6)
+
+
+def test_merge_schedule():
+    assert merge_alpha_at(0, 0.5, 100) == 0.5
+    assert merge_alpha_at(50, 0.5, 100) == pytest.approx(0.25)
+    assert merge_alpha_at(100, 0.5, 100) == 0.0 and merge_alpha_at(10, 0.5, 0) == 0.0
+    assert (
+        should_merge(10, 4, 100, 2) and not should_merge(10, 3, 100, 2) and not should_merge(100, 4, 100, 2)
+    )
+
+
+def test_tensor_checks():
+    local = torch.ones(4)
+    check_tensor("w", local * 1.1, local, max_rel_distance=0.5)
+    for bad, why in [
+        (torch.ones(5), "shape"),
+        (torch.tensor([1.0, math.nan, 1, 1]), "NaN"),
+        (torch.full((4,), 1e30), "distance"),
+        (torch.ones(4, dtype=torch.long), "dtype"),
+    ]:
+        with pytest.raises(RejectedTensor, match=why):
+            check_tensor("w", bad, local, max_rel_distance=0.5)
+    assert clamp_weight(1e9, 1e6) == 1e6 and clamp_weight(-3, 10) == 0 and clamp_weight(math.nan, 10) == 0
