@@ -17,6 +17,8 @@ from swarm.config import ConfigError, load_config
 from swarm.data import DataError
 from swarm.model import BackendUnavailable
 from swarm.train import CheckpointError, NoSync, Trainer
+from swarm.train.cpu_allocator import keep_freed_memory
+from swarm.train.trainer import pick_device
 
 EXIT_BAD_INPUT = 2
 
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps is not None and args.max_steps < 0:
             raise ConfigError("--max-steps: must be >= 0")
         signal.signal(signal.SIGTERM, _terminate)
+        if pick_device(cfg.train.device).type == "cpu":
+            keep_freed_memory()
         trainer = Trainer(cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress)
         trainer.setup(resume=args.resume)
         summary = trainer.train(args.max_steps)

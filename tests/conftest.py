@@ -14,12 +14,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A model small enough that a training step takes milliseconds on 2 CPU cores.
 TINY_CONFIG = {
     "run_id": "tiny",
-    "model": {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_experts": 8,
-              "expert_hidden": 32, "top_k": 2, "max_seq_len": 64},
+    "model": {
+        "vocab_size": 512,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_experts": 8,
+        "expert_hidden": 32,
+        "top_k": 2,
+        "max_seq_len": 64,
+    },
     "experts": {"per_peer": 2},
     "data": {"seq_len": 32, "micro_batch": 4, "val_batches": 2},
-    "train": {"lr": 3e-3, "warmup_steps": 5, "decay_steps": 100, "max_steps": 100, "log_every": 1,
-              "eval_every": 10, "checkpoint_every": 10, "threads": 1},
+    "train": {
+        "lr": 3e-3,
+        "warmup_steps": 5,
+        "decay_steps": 100,
+        "max_steps": 100,
+        "log_every": 1,
+        "eval_every": 10,
+        "checkpoint_every": 10,
+        "threads": 1,
+    },
 }
 
 
@@ -52,5 +68,11 @@ def tiny_config(tmp_path, tiny_data) -> Path:
 
 def run_peer(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """``swarm-peer`` as a real process (``python -m peers.main``), bounded in time."""
-    return subprocess.run([sys.executable, "-m", "peers.main", "--no-progress", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "peers.main", "--no-progress", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

@@ -14,21 +14,43 @@ def test_presets_load(repo_root, name):
 def test_spes_presets_match_the_paper(repo_root):
     one = load_config(repo_root / "configs" / "spes-1b.yaml")
     m, t = one.model, one.train
-    assert (m.d_model, m.n_layers, m.n_heads, m.n_experts, m.expert_hidden, m.top_k) == (768, 12, 12, 16, 2048, 2)
+    assert (m.d_model, m.n_layers, m.n_heads, m.n_experts, m.expert_hidden, m.top_k) == (
+        768,
+        12,
+        12,
+        16,
+        2048,
+        2,
+    )
     assert (m.vocab_size, m.max_seq_len, m.rope_theta, m.tie_embeddings) == (151665, 2048, 5e5, False)
     assert (m.lb_loss_coef, m.z_loss_coef) == (0.01, 0.001)
     assert (one.experts.per_peer, one.sync.sync_every, one.data.seq_len) == (4, 100, 2048)
-    assert (t.lr, t.warmup_steps, t.decay_steps, t.min_lr_ratio, t.betas) == (5e-4, 2000, 50000, 0.1, (0.9, 0.95))
+    assert (t.lr, t.warmup_steps, t.decay_steps, t.min_lr_ratio, t.betas) == (
+        5e-4,
+        2000,
+        50000,
+        0.1,
+        (0.9, 0.95),
+    )
     assert (t.weight_decay, t.grad_clip) == (0.1, 1.0)
     seven = load_config(repo_root / "configs" / "spes-7b.yaml")
     m = seven.model
-    assert (m.d_model, m.n_layers, m.n_heads, m.n_experts, m.expert_hidden, m.top_k) == (2048, 16, 16, 32, 2048, 4)
+    assert (m.d_model, m.n_layers, m.n_heads, m.n_experts, m.expert_hidden, m.top_k) == (
+        2048,
+        16,
+        16,
+        32,
+        2048,
+        4,
+    )
     assert (seven.experts.per_peer, seven.train.lr) == (8, 4e-4)
 
 
 def test_overrides_are_typed(repo_root):
-    cfg = load_config(repo_root / "configs" / "demo.yaml",
-                      ["train.lr=3e-4", "experts.local=[1, 5]", "model.norm_topk_prob=true", "experts.per_peer=null"])
+    cfg = load_config(
+        repo_root / "configs" / "demo.yaml",
+        ["train.lr=3e-4", "experts.local=[1, 5]", "model.norm_topk_prob=true", "experts.per_peer=null"],
+    )
     assert cfg.train.lr == 3e-4 and cfg.experts.local == [1, 5] and cfg.model.norm_topk_prob is True
     assert cfg.experts.resolve(cfg.model.n_experts) == [1, 5]
 
@@ -58,7 +80,9 @@ def test_bad_values_name_their_field(raw, field):
 
 
 def test_save_and_reload_round_trip(tmp_path, repo_root):
-    cfg = load_config(repo_root / "configs" / "spes-1b.yaml", ["experts.local=[3, 7]", "experts.per_peer=null"])
+    cfg = load_config(
+        repo_root / "configs" / "spes-1b.yaml", ["experts.local=[3, 7]", "experts.per_peer=null"]
+    )
     save_config(cfg, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert again == cfg and again.fingerprint() == cfg.fingerprint()

@@ -40,9 +40,21 @@ def test_solo_peer_learns_and_writes_metrics(tiny_config, tmp_path):
 
 def test_resume_reproduces_uninterrupted_run(tiny_config, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(full), "--max-steps", "40").returncode == 0
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "20").returncode == 0
-    res = run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "40", "--resume")
+    assert (
+        run_peer(
+            "--config", str(tiny_config), "--solo", "--run-dir", str(full), "--max-steps", "40"
+        ).returncode
+        == 0
+    )
+    assert (
+        run_peer(
+            "--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "20"
+        ).returncode
+        == 0
+    )
+    res = run_peer(
+        "--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "40", "--resume"
+    )
     assert res.returncode == 0, res.stderr
     a, b = _losses(full), _losses(part)
     assert sorted(b) == list(range(1, 41))
@@ -54,14 +66,29 @@ def test_kill_during_checkpoint_write_leaves_loadable_latest(tiny_config, tmp_pa
     """SIGKILL at each point of writing checkpoint 30; the latest checkpoint still loads, and --resume
     reproduces an uninterrupted run over the next 20 steps."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(ref), "--max-steps", "50").returncode == 0
-    res = run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "50",
-                   env={"SWARM_FAULT_KILL_AT": f"{point}@30"})
+    assert (
+        run_peer(
+            "--config", str(tiny_config), "--solo", "--run-dir", str(ref), "--max-steps", "50"
+        ).returncode
+        == 0
+    )
+    res = run_peer(
+        "--config",
+        str(tiny_config),
+        "--solo",
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "50",
+        env={"SWARM_FAULT_KILL_AT": f"{point}@30"},
+    )
     assert res.returncode == -signal.SIGKILL
     latest = latest_checkpoint(run / "checkpoints")
     ckpt = load_checkpoint(latest)  # never raises: the visible latest is always complete
     assert ckpt.step == (30 if point == "before_prune" else 20)
-    res = run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "50", "--resume")
+    res = run_peer(
+        "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "50", "--resume"
+    )
     assert res.returncode == 0, res.stderr
     a, b = _losses(ref), _losses(run)
     start = ckpt.step + 1
@@ -72,9 +99,24 @@ def test_kill_during_checkpoint_write_leaves_loadable_latest(tiny_config, tmp_pa
 def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
     run = tmp_path / "run"
     for i, delay in enumerate((2.5, 3.1, 3.7)):
-        cmd = [sys.executable, "-m", "peers.main", "--no-progress", "--config", str(tiny_config), "--solo",
-               "--run-dir", str(run), "--max-steps", "100000", "--resume",
-               "--set", "train.checkpoint_every=1", "--set", "train.eval_every=1000"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "peers.main",
+            "--no-progress",
+            "--config",
+            str(tiny_config),
+            "--solo",
+            "--run-dir",
+            str(run),
+            "--max-steps",
+            "100000",
+            "--resume",
+            "--set",
+            "train.checkpoint_every=1",
+            "--set",
+            "train.eval_every=1000",
+        ]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay + i)
         proc.send_signal(signal.SIGKILL)
@@ -87,8 +129,21 @@ def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
 
 def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "peers.main", "--no-progress", "--config", str(tiny_config), "--solo",
-           "--run-dir", str(run), "--max-steps", "100000", "--set", "train.checkpoint_every=100000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peers.main",
+        "--no-progress",
+        "--config",
+        str(tiny_config),
+        "--solo",
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "100000",
+        "--set",
+        "train.checkpoint_every=100000",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_losses(run)) > 3):
@@ -120,8 +175,17 @@ def test_bad_config_values_exit_2(tiny_config, tmp_path):
 
 
 def test_missing_tokenizer_exit_2(tiny_config, tmp_path):
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(tmp_path / "r"),
-                                    "--set", f"data.tokenizer={tmp_path / 'missing.json'}"))
+    line = _one_error_line(
+        run_peer(
+            "--config",
+            str(tiny_config),
+            "--solo",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            f"data.tokenizer={tmp_path / 'missing.json'}",
+        )
+    )
     assert "missing.json" in line
 
 
@@ -133,32 +197,57 @@ def test_corrupt_shard_exit_2(tiny_config, tiny_data, tmp_path):
     shard = sorted(data.glob("train_*.npy"))[0]
     with open(shard, "r+b") as fh:  # truncate the shard to half its size
         fh.truncate(os.path.getsize(shard) // 2)
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(tmp_path / "r"),
-                                    "--set", f"data.path={data}"))
+    line = _one_error_line(
+        run_peer(
+            "--config",
+            str(tiny_config),
+            "--solo",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            f"data.path={data}",
+        )
+    )
     assert shard.name in line
 
 
 def test_corrupt_checkpoint_exit_2_and_is_kept(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10").returncode == 0
+    assert (
+        run_peer(
+            "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10"
+        ).returncode
+        == 0
+    )
     latest = latest_checkpoint(run / "checkpoints")
     (latest / "model.safetensors").write_bytes(b"garbage")
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--resume"))
+    line = _one_error_line(
+        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--resume")
+    )
     assert "corrupt" in line and latest.name in line
     assert (latest / "model.safetensors").exists()  # nothing already saved is deleted
 
 
 def test_other_model_in_run_dir_is_refused(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "2").returncode == 0
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run),
-                                    "--set", "model.d_model=64"))
+    assert (
+        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "2").returncode
+        == 0
+    )
+    line = _one_error_line(
+        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--set", "model.d_model=64")
+    )
     assert "different model config" in line
 
 
 def test_existing_checkpoints_need_resume(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10").returncode == 0
+    assert (
+        run_peer(
+            "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10"
+        ).returncode
+        == 0
+    )
     before = read_metrics(run / "metrics.jsonl")
     line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run)))
     assert "--resume" in line
@@ -166,6 +255,15 @@ def test_existing_checkpoints_need_resume(tiny_config, tmp_path):
 
 
 def test_megablocks_backend_on_cpu_exit_2(tiny_config, tmp_path):
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(tmp_path / "r"),
-                                    "--set", "model.moe_backend=megablocks"))
+    line = _one_error_line(
+        run_peer(
+            "--config",
+            str(tiny_config),
+            "--solo",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "model.moe_backend=megablocks",
+        )
+    )
     assert "megablocks" in line and "CUDA" in line

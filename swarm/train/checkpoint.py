@@ -115,7 +115,7 @@ def _recover_moved_aside(ckpt_dir: Path) -> None:
     """A writer killed between moving an old checkpoint aside and renaming its replacement into place
     leaves ``.old-step_N-pid`` and no ``step_N``: the old copy is complete, so put it back."""
     for old in ckpt_dir.glob(f".old-{_PREFIX}*"):
-        final = ckpt_dir / old.name[len(".old-"):].rsplit("-", 1)[0]
+        final = ckpt_dir / old.name[len(".old-") :].rsplit("-", 1)[0]
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
         else:
