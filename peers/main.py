@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress)
         trainer.setup(resume=args.resume)
         summary = trainer.train(args.max_steps)
+        if "initial_val_loss" in summary:
+            a, b = summary["initial_val_loss"], summary["final_val_loss"]
+            print(
+                f"validation loss {a:.3f} -> {b:.3f} ({(b - a) / a:+.0%}) after {summary['end_step']} steps, "
+                f"{summary['tokens']:,} tokens; run dir {args.run_dir}",
+                file=sys.stderr,
+            )
         print(json.dumps({"run_dir": str(args.run_dir), **summary}))
         return 0
     except (ConfigError, DataError, CheckpointError, BackendUnavailable) as e:
