@@ -66,10 +66,15 @@ def tiny_config(tmp_path, tiny_data) -> Path:
     return path
 
 
+def peer_cmd(*args: str) -> list[str]:
+    """The ``swarm-peer`` command line (``python -m peers.main``, so no install is needed)."""
+    return [sys.executable, "-m", "peers.main", "--no-progress", *args]
+
+
 def run_peer(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``swarm-peer`` as a real process (``python -m peers.main``), bounded in time."""
+    """``swarm-peer`` as a real process, bounded in time."""
     return subprocess.run(
-        [sys.executable, "-m", "peers.main", "--no-progress", *args],
+        peer_cmd(*args),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from swarm.train import load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint, list_checkpoints
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, run_peer
+from tests.conftest import ROOT, peer_cmd, run_peer
 
 
 def _losses(run_dir):
@@ -99,11 +98,7 @@ def test_kill_during_checkpoint_write_leaves_loadable_latest(tiny_config, tmp_pa
 def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
     run = tmp_path / "run"
     for i, delay in enumerate((2.5, 3.1, 3.7)):
-        cmd = [
-            sys.executable,
-            "-m",
-            "peers.main",
-            "--no-progress",
+        cmd = peer_cmd(
             "--config",
             str(tiny_config),
             "--solo",
@@ -116,7 +111,7 @@ def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
             "train.checkpoint_every=1",
             "--set",
             "train.eval_every=1000",
-        ]
+        )
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay + i)
         proc.send_signal(signal.SIGKILL)
@@ -129,11 +124,7 @@ def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
 
 def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "peers.main",
-        "--no-progress",
+    cmd = peer_cmd(
         "--config",
         str(tiny_config),
         "--solo",
@@ -143,7 +134,7 @@ def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
         "100000",
         "--set",
         "train.checkpoint_every=100000",
-    ]
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_losses(run)) > 3):
