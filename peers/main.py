@@ -1,19 +1,25 @@
 """``swarm-peer``: one training participant.
 
     swarm-peer --config configs/demo.yaml --solo --run-dir runs/demo [--max-steps N] [--resume]
+    swarm-peer --config configs/demo.yaml --initial-peers MADDR ... --run-dir runs/peer1
 
-Bad input (config, data, tokenizer, checkpoint) prints one ``error:`` line and exits with code 2.
+With ``--initial-peers`` the peer joins the swarm: it refuses a run whose model differs, claims the experts
+with the fewest live holders, fetches the current weights if the swarm has already trained, and
+synchronises every ``sync.sync_every`` steps. Bad input (config, data, tokenizer, checkpoint, another
+model in the swarm) prints one ``error:`` line and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError, RunConfig, load_config
 from swarm.data import DataError
 from swarm.model import BackendUnavailable
 from swarm.train import CheckpointError, NoSync, Trainer
@@ -35,8 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--solo", action="store_true", help="train alone, with no swarm")
     ap.add_argument(
-        "--initial-peers", nargs="*", default=[], metavar="MADDR", help="join a swarm (next release)"
+        "--initial-peers", nargs="*", default=[], metavar="MADDR", help="join the swarm through these"
     )
+    ap.add_argument("--host", default="127.0.0.1", help="address this peer listens on (default: loopback)")
+    ap.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    ap.add_argument("--identity", default=None, metavar="FILE", help="private key file: a stable peer id")
+    ap.add_argument("--use-nat", action="store_true", help="enable UPnP, AutoNAT and relays (off by default)")
     ap.add_argument(
         "--run-dir", default="runs/peer", help="metrics.jsonl, config.yaml and checkpoints/ go here"
     )
@@ -52,20 +62,72 @@ def _terminate(signum, frame):  # SIGTERM behaves like Ctrl+C: checkpoint, then 
     raise KeyboardInterrupt
 
 
+def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
+    """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
+    from swarm.net.dht_node import start_dht
+    from swarm.net.records import (
+        Heartbeat,
+        check_or_publish_fingerprint,
+        expert_holders,
+        publish_heartbeat,
+        read_heartbeats,
+    )
+    from swarm.net.state_transfer import catch_up
+    from swarm.net.swarm_sync import SwarmSync
+    from swarm.sync import settle_joiners
+
+    dht = start_dht(
+        args.initial_peers, host=args.host, port=args.port, identity_path=args.identity, use_nat=args.use_nat
+    )
+    me = dht.peer_id.to_base58()
+    check_or_publish_fingerprint(dht, cfg.run_id, cfg.fingerprint())
+    if cfg.data.seed is None:  # each peer samples its own windows
+        cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
+    # announce that we are joining, give simultaneous joiners a heartbeat to appear, then claim in turn
+    hb_s = cfg.sync.heartbeat_s
+    publish_heartbeat(dht, cfg.run_id, me, Heartbeat(experts=[], state="joining"), ttl_s=3 * hb_s)
+    time.sleep(1.5 * hb_s)
+    beats = read_heartbeats(dht, cfg.run_id)
+    local = None
+    if cfg.experts.local is None:
+        per_peer = cfg.experts.per_peer or cfg.model.n_experts
+        training = {p: v for p, v in beats.items() if v[0].state != "joining"}
+        joining = sorted({p for p, v in beats.items() if v[0].state == "joining"} | {me})
+        claims = settle_joiners(
+            expert_holders(training, cfg.model.n_experts), joining, cfg.model.n_experts, per_peer
+        )
+        local = claims[me]
+    trainer.setup(resume=args.resume, local_experts=local)
+    peers = {p: hb for p, (hb, _) in beats.items() if p != me}
+    if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
+        catch_up(dht, cfg.run_id, trainer.model, peers, timeout=cfg.sync.download_timeout_s)
+    print(
+        f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "
+        f"{len(peers)} other live peer(s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    trainer.sync = SwarmSync(cfg, dht, trainer.model)
+    return dht
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    trainer = None
+    trainer = dht = None
     try:
         cfg = load_config(args.config, args.set)
-        if not args.solo:
-            raise ConfigError("--initial-peers: swarm training is not available yet; run with --solo")
+        if args.solo == bool(args.initial_peers):
+            raise ConfigError("give either --solo or --initial-peers MADDR ...")
         if args.max_steps is not None and args.max_steps < 0:
             raise ConfigError("--max-steps: must be >= 0")
         signal.signal(signal.SIGTERM, _terminate)
         if pick_device(cfg.train.device).type == "cpu":
             keep_freed_memory()
         trainer = Trainer(cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress)
-        trainer.setup(resume=args.resume)
+        if args.solo:
+            trainer.setup(resume=args.resume)
+        else:
+            dht = _join_swarm(cfg, args, trainer)
         summary = trainer.train(args.max_steps)
         if "initial_val_loss" in summary:
             a, b = summary["initial_val_loss"], summary["final_val_loss"]
@@ -74,16 +136,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{summary['tokens']:,} tokens; run dir {args.run_dir}",
                 file=sys.stderr,
             )
-        print(json.dumps({"run_dir": str(args.run_dir), **summary}))
+        print(json.dumps({"run_dir": str(args.run_dir), **summary}), flush=True)
         return 0
     except (ConfigError, DataError, CheckpointError, BackendUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as e:
+        from swarm.net.dht_node import DHTStartError
+        from swarm.net.records import FingerprintMismatch
+
+        if isinstance(e, (FingerprintMismatch, DHTStartError)):
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
     except KeyboardInterrupt:
         return 130
     finally:
         if trainer is not None:
             trainer.close()
+        if dht is not None:
+            dht.shutdown()
 
 
 if __name__ == "__main__":

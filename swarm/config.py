@@ -188,6 +188,12 @@ class SyncConfig:
     merge_every: int = 1
     merge_topk: int = 4
     merge_alpha: float = 0.5
+    matchmaking_s: float = 5.0  # how long a round waits for partners to show up
+    round_timeout_s: float = 60.0  # a round (matchmaking + all-reduce + checks) never takes longer
+    download_timeout_s: float = 30.0
+    heartbeat_s: float = 5.0  # records expire after 3 heartbeats
+    orphan_grace_s: float = 60.0  # an expert with no live holder this long is re-claimed
+    max_rel_distance: float = 4.0  # reject a received tensor farther than this x the norm of ours (garbage)
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
@@ -197,6 +203,20 @@ class SyncConfig:
         _check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
         _check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
         _check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
+        for name in (
+            "matchmaking_s",
+            "round_timeout_s",
+            "download_timeout_s",
+            "heartbeat_s",
+            "orphan_grace_s",
+        ):
+            _check(getattr(self, name) > 0, f"sync.{name}", "must be > 0")
+        _check(
+            self.round_timeout_s > self.matchmaking_s,
+            "sync.round_timeout_s",
+            "must exceed sync.matchmaking_s",
+        )
+        _check(self.max_rel_distance > 0, "sync.max_rel_distance", "must be > 0")
 
 
 @dataclass

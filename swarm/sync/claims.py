@@ -49,3 +49,18 @@ def orphan_swap(
     take = max(orphans, key=lambda e: (orphaned_for[e], _tie_break(peer_id, e)))
     give = max(mine, key=lambda e: (replication[e], _tie_break(peer_id, e)))
     return give, take
+
+
+def settle_joiners(
+    holders: Mapping[int, Set[str]], joining: list[str], n_experts: int, per_peer: int
+) -> dict[str, list[int]]:
+    """Claims for peers joining at the same moment. Each claims in turn, in peer-id order, seeing the
+    claims made before it; every joiner runs the same computation on the same records, so they agree
+    without talking, and coverage still fills before replication."""
+    taken: dict[int, set[str]] = {e: set(holders.get(e, ())) for e in range(n_experts)}
+    out = {}
+    for peer in sorted(joining):
+        out[peer] = choose_experts(taken, n_experts, per_peer, peer)
+        for e in out[peer]:
+            taken[e].add(peer)
+    return out

@@ -30,6 +30,10 @@ class SyncHook(Protocol):
         Returns per-round records to append to metrics.jsonl (empty when nothing happened)."""
         ...
 
+    def finish(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+        """Training is over: complete a last round synchronously (so replicas agree) and return records."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -37,6 +41,9 @@ class NoSync:
     """A peer with no swarm: nothing to average. Used by ``swarm-peer --solo``."""
 
     def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+        return []
+
+    def finish(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
         return []
 
     def close(self) -> None:

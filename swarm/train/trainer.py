@@ -279,6 +279,12 @@ class Trainer:
             raise
         finally:
             bar.close()
+        if self.step > summary["start_step"]:  # a last synchronous round: replicas agree when we stop
+            report = StepReport(
+                self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
+            )
+            for round_rec in self.sync.finish(self.model, report):
+                self.metrics.write(**round_rec)
         summary.update(end_step=self.step, tokens=self.tokens, final_val_loss=self.evaluate())
         return summary
 

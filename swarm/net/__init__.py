@@ -1,0 +1,1 @@
+"""Networking (the only package that imports hivemind): DHT nodes, swarm records, averaging groups."""

@@ -1,0 +1,52 @@
+"""Named views of the tensors a round exchanges: the dense weights, and expert e's weights in every layer.
+
+The swarm always moves the canonical form (fp32, one expert = its gate_up and down in each layer), whatever
+the local split and the frozen dtype, so peers with different local experts exchange the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.model import MoETransformer
+
+
+def dense_names(model: MoETransformer) -> list[str]:
+    return sorted(model.dense_parameters())
+
+
+def dense_tensors(model: MoETransformer) -> list[torch.Tensor]:
+    params = model.dense_parameters()
+    return [params[n].detach() for n in dense_names(model)]
+
+
+def expert_tensors(model: MoETransformer, e: int) -> list[torch.Tensor]:
+    """Views of expert e in every layer: [gate_up_0, down_0, gate_up_1, down_1, ...].
+
+    For a local expert these are views of the trainable parameters (in-place updates reach the model); for
+    a frozen one, views of the frozen buffers (possibly bf16)."""
+    out = []
+    for block in model.layers:
+        bank = block.moe.experts
+        if e in bank.local_ids:
+            i = bank.local_ids.index(e)
+            out += [bank.gate_up_local.detach()[i], bank.down_local.detach()[i]]
+        else:
+            i = bank.frozen_ids.index(e)
+            out += [bank.gate_up_frozen[i], bank.down_frozen[i]]
+    return out
+
+
+def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().float().cpu().clone() for t in tensors]
+
+
+@torch.no_grad()
+def overwrite(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s.to(d.device, d.dtype))
+
+
+def per_layer(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[gu0, dn0, gu1, dn1, ...] -> [(gu0, dn0), (gu1, dn1), ...]"""
+    return list(zip(tensors[0::2], tensors[1::2], strict=True))

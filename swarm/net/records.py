@@ -1,0 +1,131 @@
+"""What a run keeps in the DHT: the config fingerprint and one heartbeat record per peer.
+
+Keys are prefixed by the run id: ``<run>_config`` holds the fingerprint of the model config (peers with
+another model are refused); ``<run>_peers`` holds, under each peer's id as subkey, its heartbeat: experts,
+step, tokens, loss, tokens/s, last round, bytes, state. Records expire after a few heartbeat periods, so a
+peer that dies disappears by itself. Values are plain msgpack types (hivemind's own serialiser; no pickle).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+CONFIG_TTL_S = 24 * 3600.0
+
+
+class FingerprintMismatch(RuntimeError):
+    """The swarm trains a different model than this peer's config describes."""
+
+
+@dataclass
+class Heartbeat:
+    """One peer's public state, published every heartbeat period."""
+
+    experts: list[int]
+    step: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    last_round: int = -1
+    last_round_time: float | None = None
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    state: str = "joining"  # joining | training | leaving
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        if value["loss"] is not None and not math.isfinite(value["loss"]):
+            value["loss"] = None
+        return value
+
+    @classmethod
+    def from_value(cls, value: Any) -> Heartbeat | None:
+        """Parse a record written by another peer; anything malformed is ignored (None)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            hb = cls(**{k: value[k] for k in cls.__dataclass_fields__ if k in value})
+        except TypeError:
+            return None
+        if not isinstance(hb.experts, list) or not all(isinstance(e, int) for e in hb.experts):
+            return None
+        return hb
+
+
+def _result(future, timeout: float):
+    try:
+        return future.result(timeout=timeout)
+    except Exception:  # timeouts and network errors: the caller treats it as "nothing known"
+        return None
+
+
+def check_or_publish_fingerprint(
+    dht: hivemind.DHT, run_id: str, fingerprint: str, timeout: float = 10.0
+) -> None:
+    """Refuse a swarm whose published fingerprint differs; publish ours when none is there yet."""
+    key = f"{run_id}_config"
+    found = _result(dht.get(key, latest=True, return_future=True), timeout)
+    if found is not None and found.value != fingerprint:
+        raise FingerprintMismatch(
+            f"run {run_id!r} in this swarm trains another model (config fingerprint "
+            f"{found.value}, ours {fingerprint}); use the swarm's config or another run_id"
+        )
+    if found is None:
+        _result(dht.store(key, fingerprint, get_dht_time() + CONFIG_TTL_S, return_future=True), timeout)
+
+
+def publish_heartbeat(
+    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 10.0
+) -> bool:
+    fut = dht.store(
+        f"{run_id}_peers", hb.to_value(), get_dht_time() + ttl_s, subkey=peer_id, return_future=True
+    )
+    return bool(_result(fut, timeout))
+
+
+def withdraw_heartbeat(
+    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, timeout: float = 5.0
+) -> None:
+    """Replace our record with one that expires at once (hivemind has no delete)."""
+    hb.state = "leaving"
+    fut = dht.store(
+        f"{run_id}_peers", hb.to_value(), get_dht_time() + 0.5, subkey=peer_id, return_future=True
+    )
+    _result(fut, timeout)
+
+
+def read_heartbeats(
+    dht: hivemind.DHT, run_id: str, timeout: float = 10.0
+) -> dict[str, tuple[Heartbeat, float]]:
+    """Live peers: {peer id: (heartbeat, expiration time)}. Empty when the DHT does not answer in time."""
+    found = _result(dht.get(f"{run_id}_peers", latest=True, return_future=True), timeout)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now, out = get_dht_time(), {}
+    for subkey, item in found.value.items():
+        hb = Heartbeat.from_value(getattr(item, "value", None))
+        if (
+            hb is not None
+            and isinstance(subkey, str)
+            and item.expiration_time > now
+            and hb.state != "leaving"
+        ):
+            out[subkey] = (hb, item.expiration_time)
+    return out
+
+
+def expert_holders(heartbeats: dict[str, tuple[Heartbeat, float]], n_experts: int) -> dict[int, set[str]]:
+    holders: dict[int, set[str]] = {e: set() for e in range(n_experts)}
+    for peer, (hb, _) in heartbeats.items():
+        for e in hb.experts:
+            if 0 <= e < n_experts:
+                holders[e].add(peer)
+    return holders

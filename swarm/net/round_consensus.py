@@ -1,0 +1,92 @@
+"""Detecting partial rounds: all members of a group must end with the same tensors.
+
+hivemind can report success when a peer died mid-round and part of a tensor was never averaged (NOTES.md:
+12% true mean, 29% 2-peer mean, 57% untouched). Every member therefore publishes a digest of its result
+under a key derived from the group (its members and their round info), waits for the digests of all other
+members, and applies the result only if every member reported and all digests agree. A dead member never
+reports, and an untouched part makes digests disagree, so either way the round is dropped by everyone.
+
+The digest is a few fixed random projections of each segment of each tensor: insensitive to last-bit
+rounding (members add deltas in a different order), sensitive to any part left unaveraged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import hivemind
+import msgpack
+import torch
+from hivemind.utils import get_dht_time
+
+SEGMENTS = 16
+REL_TOLERANCE = 1e-4
+
+
+def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> str:
+    blob = msgpack.packb(sorted((peer, sorted(info.items())) for peer, info in members.items()))
+    return f"{run_id}_digest_{prefix}_{hashlib.sha256(blob).hexdigest()[:24]}"
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Per tensor and per segment: (sum of |x|, a signed random projection)."""
+    out: list[float] = []
+    for t in tensors:
+        flat = t.detach().reshape(-1).double()
+        gen = torch.Generator().manual_seed(flat.numel())
+        signs = torch.randint(0, 2, (flat.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
+        for seg, sgn in zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True):
+            out += [float(seg.abs().sum()), float((seg * sgn).sum())]
+    return out
+
+
+def digests_agree(a: Sequence[float], b: Sequence[float]) -> bool:
+    if len(a) != len(b):
+        return False
+    for i in range(0, len(a), 2):
+        scale = abs(a[i]) + abs(b[i]) + 1e-12  # sums of |x| bound every projection of the segment
+        if abs(a[i] - b[i]) > REL_TOLERANCE * scale or abs(a[i + 1] - b[i + 1]) > REL_TOLERANCE * scale:
+            return False
+    return True
+
+
+def confirm_round(
+    dht: hivemind.DHT,
+    key: str,
+    me: str,
+    members: Sequence[str],
+    mine: list[float],
+    timeout: float,
+    poll: float = 0.25,
+) -> tuple[bool, str]:
+    """Publish our digest and wait until every member's digest is in and agrees. Returns (ok, reason)."""
+    deadline = time.monotonic() + timeout
+    try:
+        dht.store(key, mine, get_dht_time() + 60 + timeout, subkey=me, return_future=True).result(
+            timeout=timeout
+        )
+    except Exception as e:
+        return False, f"could not publish digest: {type(e).__name__}"
+    others = set(members) - {me}
+    while True:
+        try:
+            found = dht.get(key, latest=True, return_future=True).result(
+                timeout=max(0.1, deadline - time.monotonic())
+            )
+        except Exception:
+            found = None
+        value = found.value if found is not None and isinstance(found.value, dict) else {}
+        seen = {peer: item.value for peer, item in value.items() if isinstance(peer, str)}
+        for peer in others & set(seen):
+            theirs = seen[peer]
+            if not isinstance(theirs, list) or not digests_agree(mine, theirs):
+                return False, f"partial round: result differs from {peer[-8:]}"
+        missing = others - set(seen)
+        if not missing:
+            return True, ""
+        if time.monotonic() >= deadline:
+            return False, f"partial round: no digest from {len(missing)} member(s)"
+        time.sleep(poll)

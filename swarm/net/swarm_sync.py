@@ -1,0 +1,333 @@
+"""``SwarmSync``: the trainer's sync hook for a networked peer (SPES without a parameter server).
+
+    sync = SwarmSync(cfg, dht, model)          # joins groups for the dense weights and each local expert
+    trainer = Trainer(cfg, run_dir, sync=sync) # after_step() starts rounds and applies finished ones
+
+Every ``sync_every`` steps a round starts in a background thread while training goes on: the trainable
+tensors are snapshotted (s); the dense weights are averaged across the peers that show up, weighted by
+tokens since the last round; each local expert among its holders, weighted by tokens routed to it; non-local
+experts are downloaded from a holder; the merge warm-up runs on fresh copies. Each result passes the
+partial-round consensus and the tensor checks, then the training thread applies it as
+theta <- theta + alpha * (a - s), keeping the steps taken meanwhile. Nothing waits longer than
+``round_timeout_s``; a failed part is dropped and logged.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+
+from swarm.config import RunConfig
+from swarm.model import MoETransformer
+from swarm.net.averaging import AveragingGroup, download_state
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, per_layer, snapshot
+from swarm.net.records import (
+    Heartbeat,
+    expert_holders,
+    publish_heartbeat,
+    read_heartbeats,
+    withdraw_heartbeat,
+)
+from swarm.net.round_consensus import confirm_round, digest, group_key
+from swarm.sync import (
+    OuterStep,
+    RejectedTensor,
+    check_tensor,
+    clamp_weight,
+    merge_alpha_at,
+    merge_experts,
+    should_merge,
+)
+from swarm.train.sync_hook import StepReport
+
+# a peer cannot plausibly report more tokens for one round than this many times its own
+MAX_WEIGHT_FACTOR = 100.0
+
+
+@dataclass
+class RoundResult:
+    index: int
+    step: int
+    dense: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (snapshot, average)
+    experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    downloads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class SwarmSync:
+    """See the module docstring."""
+
+    def __init__(self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer) -> None:
+        self.cfg, self.dht, self.sc = cfg, dht, cfg.sync
+        self.run_id, self.me = cfg.run_id, dht.peer_id.to_base58()
+        self.n_experts = cfg.model.n_experts
+        self.local = list(model.local_experts)
+        self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
+        kw = dict(
+            matchmaking_time=self.sc.matchmaking_s,
+            allreduce_timeout=self.sc.round_timeout_s,
+            request_timeout=min(3.0, self.sc.matchmaking_s / 2),
+        )
+        self.dense_group = AveragingGroup(dht, f"{self.run_id}_dense", dense_tensors(model), **kw)
+        self.expert_groups = {
+            e: AveragingGroup(dht, f"{self.run_id}_expert{e}", expert_tensors(model, e), **kw)
+            for e in self.local
+        }
+        self.heartbeat = Heartbeat(experts=self.local, state="training")
+        self.holders: dict[int, set[str]] = {e: set() for e in range(self.n_experts)}
+        self.peers: dict[str, Heartbeat] = {}
+        self._tokens = 0
+        self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
+        self._round_index = 0
+        self._results: queue.Queue[RoundResult] = queue.Queue()
+        self._in_flight: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._hb_lock = threading.Lock()
+        self.refresh_peers()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    # -- membership ---------------------------------------------------------------------------------------
+    def refresh_peers(self) -> None:
+        beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
+        self.peers = {p: hb for p, (hb, _) in beats.items()}
+        self.holders = expert_holders(beats, self.n_experts)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._hb_lock:
+                hb = Heartbeat(**vars(self.heartbeat))
+            publish_heartbeat(
+                self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
+            )
+            self.refresh_peers()
+            self._stop.wait(self.sc.heartbeat_s)
+
+    # -- the hook -----------------------------------------------------------------------------------------
+    def after_step(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
+        self._tokens += report.step_tokens
+        self._expert_tokens += report.expert_tokens.cpu()
+        with self._hb_lock:
+            hb = self.heartbeat
+            hb.step, hb.tokens, hb.loss = report.step, report.tokens, report.loss
+        records = []
+        while not self._results.empty():
+            records.append(self._apply(model, self._results.get()))
+        if report.step % self.sc.sync_every == 0:
+            if self._in_flight is not None and self._in_flight.is_alive():
+                records.append(
+                    {
+                        "step": report.step,
+                        "round": self._round_index,
+                        "applied": False,
+                        "reason": "previous round still in flight",
+                    }
+                )
+            else:
+                self._start_round(model, report.step)
+        return records
+
+    def finish(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
+        records = []
+        if self._in_flight is not None:
+            self._in_flight.join(timeout=self.sc.round_timeout_s + 5)
+        while not self._results.empty():
+            records.append(self._apply(model, self._results.get()))
+        self._start_round(model, report.step)
+        self._in_flight.join(timeout=self.sc.round_timeout_s + 5)
+        while not self._results.empty():
+            records.append(self._apply(model, self._results.get()) | {"final": True})
+        return records
+
+    def _start_round(self, model: MoETransformer, step: int) -> None:
+        self._round_index += 1
+        dense = snapshot(dense_tensors(model))
+        experts = {e: snapshot(expert_tensors(model, e)) for e in self.local}
+        frozen = {e: snapshot(expert_tensors(model, e)) for e in range(self.n_experts) if e not in self.local}
+        weights = {"dense": float(self._tokens)} | {e: float(self._expert_tokens[e]) for e in self.local}
+        self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
+        args = (self._round_index, step, dense, experts, frozen, weights)
+        self._in_flight = threading.Thread(target=self._run_round, args=args, name="swarm-round", daemon=True)
+        self._in_flight.start()
+
+    # -- a round (background thread) ---------------------------------------------------------------------
+    def _run_round(self, index, step, dense, experts, frozen, weights) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.sc.round_timeout_s
+        self.refresh_peers()  # who holds what, as of now: a sole holder skips averaging its expert
+        result = RoundResult(index, step)
+        rec = result.record
+        rec.update(step=step, round=index, expert_groups={}, rejected=[])
+        max_w = MAX_WEIGHT_FACTOR * max(1.0, weights["dense"])
+        info = {"step": step, "round": index}
+        controls = {}
+        mm = self.sc.matchmaking_s + self.sc.round_timeout_s / 4
+        controls["dense"] = self.dense_group.start(
+            dense, clamp_weight(weights["dense"], max_w), info | {"weight": weights["dense"]}, mm
+        )
+        for e in self.local:
+            if self.holders.get(e, set()) - {self.me}:
+                w = clamp_weight(weights[e], max_w)
+                controls[e] = self.expert_groups[e].start(experts[e], max(w, 1.0), info | {"weight": w}, mm)
+            else:  # sole holder: nothing to average, but serve our copy to downloaders
+                self.expert_groups[e].publish(experts[e], info)
+                rec["expert_groups"][str(e)] = 1
+        sent = 0
+        for name, control in controls.items():
+            group = self.dense_group if name == "dense" else self.expert_groups[name]
+            local = dense if name == "dense" else experts[name]
+            avg, size = self._finish(group, control, local, deadline, max_w, rec, name, info)
+            if avg is None:  # keep serving a consistent copy (our snapshot) to peers that download it
+                group.publish(local, info)
+            if name == "dense":
+                rec["dense_group"] = size
+                result.dense = (local, avg) if avg is not None else None
+            else:
+                rec["expert_groups"][str(name)] = size
+                if avg is not None:
+                    result.experts[name] = (local, avg)
+            if (
+                avg is not None and size > 1
+            ):  # butterfly all-reduce: send (n-1)/n of the data, receive as much
+                sent += int(sum(t.numel() * 4 for t in local) * (size - 1) / size)
+        recv = sent
+        for e, mine in frozen.items():
+            got = self._download(e, mine, step, deadline, rec)
+            if got is not None:
+                result.downloads[e] = got
+                recv += sum(t.numel() * 2 for t in got)  # fp16 on the wire
+        self._merge(result, experts, frozen, step, index)
+        rec.update(bytes_sent=sent, bytes_recv=recv, sync_seconds=round(time.monotonic() - t0, 3))
+        self._results.put(result)
+
+    def _finish(self, group, control, local, deadline, max_w, rec, name, info):
+        outcome = group.finish(control, timeout=max(0.1, deadline - time.monotonic()), meta=info)
+        if not outcome.ok:
+            rec["rejected"].append(f"{name}: {outcome.reason}")
+            return None, 1
+        members = outcome.members
+        size = len(members)
+        if any(
+            not isinstance(m.get("weight"), (int, float)) or m["weight"] > max_w for m in members.values()
+        ):
+            rec["rejected"].append(f"{name}: a member reported an implausible weight")
+            return None, size
+        key = group_key(self.run_id, group.prefix, members)
+        ok, why = confirm_round(
+            self.dht,
+            key,
+            self.me,
+            list(members),
+            digest(outcome.tensors),
+            timeout=max(0.5, min(10.0, deadline - time.monotonic())),
+        )
+        if not ok:
+            rec["rejected"].append(f"{name}: {why}")
+            return None, size
+        try:
+            for i, (got, mine) in enumerate(zip(outcome.tensors, local, strict=True)):
+                check_tensor(f"{name}[{i}]", got, mine, self.sc.max_rel_distance)
+        except RejectedTensor as e:
+            rec["rejected"].append(str(e))
+            return None, size
+        return outcome.tensors, size
+
+    def _download(
+        self, e: int, mine: list[torch.Tensor], step: int, deadline: float, rec
+    ) -> list[torch.Tensor] | None:
+        holders = sorted(
+            self.holders.get(e, set()) - {self.me},
+            key=lambda p: -self.peers[p].step if p in self.peers else 0,
+        )
+        for peer in holders[:2]:
+            left = deadline - time.monotonic()
+            if left <= 0.5:
+                break
+            got = download_state(
+                self.dht, peer, f"{self.run_id}_expert{e}", timeout=min(left, self.sc.download_timeout_s)
+            )
+            if got is None or not isinstance(got[0], dict) or "step" not in got[0]:
+                continue  # holder gone, or has not finished a round yet
+            tensors = [t.float() for t in got[1]]
+            try:
+                if len(tensors) != len(mine):
+                    raise RejectedTensor(f"expert{e}: {len(tensors)} tensors, expected {len(mine)}")
+                for i, (t, m) in enumerate(zip(tensors, mine, strict=True)):
+                    check_tensor(f"expert{e}[{i}]", t, m, self.sc.max_rel_distance)
+            except RejectedTensor as err:
+                rec["rejected"].append(str(err))
+                continue
+            return tensors
+        return None
+
+    def _merge(self, result: RoundResult, experts, frozen, step: int, index: int) -> None:
+        sc = self.sc
+        if not self.local or not should_merge(step, index, sc.merge_warmup_steps, sc.merge_every):
+            return
+        alpha = merge_alpha_at(step, sc.merge_alpha, sc.merge_warmup_steps)
+        fresh = {e: (result.experts[e][1] if e in result.experts else experts[e]) for e in self.local}
+        fresh |= {e: result.downloads.get(e, frozen[e]) for e in frozen}
+        layers = [per_layer(fresh[e]) for e in range(self.n_experts)]
+        merged: dict[int, list[torch.Tensor]] = {e: [] for e in self.local}
+        for li in range(len(layers[0])):
+            gu = torch.stack([layers[e][li][0] for e in range(self.n_experts)])
+            dn = torch.stack([layers[e][li][1] for e in range(self.n_experts)])
+            mgu, mdn = merge_experts(gu, dn, self.local, alpha, sc.merge_topk)
+            for row, e in enumerate(self.local):
+                merged[e] += [mgu[row], mdn[row]]
+        for e in self.local:
+            result.experts[e] = (experts[e], merged[e])
+        result.record["merge_alpha"] = alpha
+
+    # -- applying (training thread) ------------------------------------------------------------------------
+    def _apply(self, model: MoETransformer, result: RoundResult) -> dict[str, Any]:
+        applied = []
+        if result.dense is not None:
+            self._outer("dense", dense_tensors(model), *result.dense)
+            applied.append("dense")
+        for e, (snap, avg) in result.experts.items():
+            if e in model.local_experts:
+                self._outer(f"expert{e}", expert_tensors(model, e), snap, avg)
+                applied.append(f"expert{e}")
+        for e, tensors in result.downloads.items():
+            if e not in model.local_experts:
+                overwrite(expert_tensors(model, e), tensors)
+        rec = result.record
+        rec["applied"] = bool(applied) or bool(result.downloads)
+        rec["applied_groups"] = applied
+        rec["downloaded"] = sorted(result.downloads)
+        with self._hb_lock:
+            hb = self.heartbeat
+            hb.last_round, hb.last_round_time = result.index, time.time()
+            hb.bytes_sent += rec.get("bytes_sent", 0)
+            hb.bytes_recv += rec.get("bytes_recv", 0)
+            hb.rounds_ok += int(not rec["rejected"])
+            hb.rounds_failed += int(bool(rec["rejected"]))
+        return rec
+
+    def _outer(
+        self, name: str, params: list[torch.Tensor], snap: list[torch.Tensor], avg: list[torch.Tensor]
+    ) -> None:
+        keys = [f"{name}.{i}" for i in range(len(params))]
+        self.outer.apply(
+            dict(zip(keys, params, strict=True)),
+            dict(zip(keys, snap, strict=True)),
+            dict(zip(keys, avg, strict=True)),
+        )
+
+    # -- leaving ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        if self._in_flight is not None:
+            self._in_flight.join(timeout=self.sc.round_timeout_s)
+        with self._hb_lock:
+            hb = Heartbeat(**vars(self.heartbeat))
+        withdraw_heartbeat(self.dht, self.run_id, self.me, hb)
+        for g in [self.dense_group, *self.expert_groups.values()]:
+            g.shutdown()
