@@ -81,3 +81,39 @@ def run_peer(*args: str, env: dict | None = None, timeout: float = 240) -> subpr
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture
+def bootstrap_peer(tmp_path):
+    """A real ``swarm-bootstrap`` process on 127.0.0.1; yields its multiaddr, then stops it (by PID) and
+    checks that it exited cleanly."""
+    log = tmp_path / "bootstrap.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bootstrap.main"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT
+        )
+    try:
+        maddr = wait_for_maddr(log, proc)
+        yield maddr
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=10)
+    assert code == 0, log.read_text()[-2000:]
+
+
+def wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for line in log.read_text().splitlines():
+            if line.strip().startswith("/ip4/") and "/p2p/" in line:
+                return line.strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"bootstrap exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise TimeoutError("bootstrap did not print its address")

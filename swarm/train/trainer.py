@@ -283,8 +283,11 @@ class Trainer:
             report = StepReport(
                 self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
             )
-            for round_rec in self.sync.finish(self.model, report):
+            final = self.sync.finish(self.model, report)
+            for round_rec in final:
                 self.metrics.write(**round_rec)
+            if any(r.get("applied") for r in final):
+                self.save()  # the checkpoint holds the weights the last round agreed on
         summary.update(end_step=self.step, tokens=self.tokens, final_val_loss=self.evaluate())
         return summary
 

@@ -1,0 +1,131 @@
+"""A real swarm on 127.0.0.1: a bootstrap peer and three ``swarm-peer`` processes train and synchronise."""
+
+import subprocess
+
+import pytest
+import torch
+
+from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
+from swarm.train.metrics_log import read_metrics
+from tests.conftest import ROOT, peer_cmd, run_peer
+
+pytestmark = pytest.mark.timeout(300)
+SWARM_SETTINGS = [
+    "--set",
+    "experts.per_peer=4",
+    "--set",
+    "sync.sync_every=50",
+    "--set",
+    "sync.matchmaking_s=3",
+    "--set",
+    "sync.round_timeout_s=30",
+    "--set",
+    "sync.heartbeat_s=2",
+]
+
+
+def _rounds(run_dir):
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "dense_group" in r]
+
+
+def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootstrap_peer):
+    runs = [tmp_path / f"p{i}" for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            peer_cmd(
+                "--config",
+                str(tiny_config),
+                "--initial-peers",
+                bootstrap_peer,
+                "--run-dir",
+                str(run),
+                "--max-steps",
+                "150",
+                *SWARM_SETTINGS,
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in runs
+    ]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    ckpts = [load_checkpoint(latest_checkpoint(run / "checkpoints")) for run in runs]
+    experts = [set(c.state["local_experts"]) for c in ckpts]
+    assert set().union(*experts) == set(range(8)), experts  # coverage fills before replication
+    assert all(len(e) == 4 for e in experts)
+
+    rounds = [_rounds(run) for run in runs]
+    full = [r for rs in rounds for r in rs if r["dense_group"] == 3 and "dense" in r["applied_groups"]]
+    assert full, rounds  # at least one round averaged the dense weights across all three peers
+    for rs in rounds:
+        for r in rs:
+            assert not any("NaN" in why for why in r["rejected"])
+            for key in (
+                "round",
+                "dense_group",
+                "expert_groups",
+                "bytes_sent",
+                "bytes_recv",
+                "sync_seconds",
+                "applied",
+            ):
+                assert key in r
+    # the last round is synchronous (no local steps after it): replicas agree when the peers stop
+    final = [rs[-1] for rs in rounds]
+    assert all(r.get("final") and r["dense_group"] == 3 and "dense" in r["applied_groups"] for r in final), (
+        final
+    )
+    models = [c.model for c in ckpts]
+    for k in models[0]:
+        if ".experts." not in k:
+            assert all(torch.allclose(models[0][k], m[k], atol=1e-5) for m in models[1:]), k
+            continue
+        for e in range(8):
+            holders = [i for i in range(3) if e in experts[i]]
+            ref = models[holders[0]][k][e]
+            for i in range(
+                3
+            ):  # holders averaged together (fp32); the others downloaded it (fp16 on the wire)
+                tol = 1e-5 if i in holders else 2e-3 * ref.abs().max().item()
+                assert torch.allclose(models[i][k][e], ref, atol=tol), (k, e, i)
+
+
+def test_peer_with_another_model_is_refused(tiny_config, tmp_path, bootstrap_peer):
+    first = run_peer(
+        "--config",
+        str(tiny_config),
+        "--initial-peers",
+        bootstrap_peer,
+        "--run-dir",
+        str(tmp_path / "a"),
+        "--max-steps",
+        "5",
+        *SWARM_SETTINGS,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = run_peer(
+        "--config",
+        str(tiny_config),
+        "--initial-peers",
+        bootstrap_peer,
+        "--run-dir",
+        str(tmp_path / "b"),
+        "--max-steps",
+        "5",
+        "--set",
+        "model.d_model=64",
+        *SWARM_SETTINGS,
+    )
+    assert other.returncode == 2
+    errors = [ln for ln in other.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "fingerprint" in errors[0], other.stderr[-2000:]
+    assert not (tmp_path / "b" / "checkpoints").exists()
