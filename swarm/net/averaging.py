@@ -53,6 +53,16 @@ class _ServingAverager(hivemind.DecentralizedAverager):
         with self.get_tensors() as tensors:
             return meta, [t.clone() for t in tensors], None
 
+    async def _shutdown(self, timeout):
+        # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
+        # behind; close it so that a clean exit leaves nothing
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                await p2p.shutdown()
+
 
 class AveragingGroup:
     """A hivemind DecentralizedAverager for one prefix, with every timeout set and state sharing on."""
