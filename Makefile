@@ -2,7 +2,9 @@
 PYTHON ?= python3
 # The torch to install when none is present. An installed torch is kept as it is (never replaced).
 TORCH ?= torch==2.13.0
-RUN_DIR ?= runs/demo
+RUN_DIR ?= runs/swarm-demo
+PEERS ?= 4
+MINUTES ?= 4
 
 .PHONY: install demo test lint format bench
 
@@ -13,7 +15,8 @@ install:
 	$(PYTHON) -m pip install -q -c build/constraints.txt -e ".[dev]"
 
 demo: install
-	swarm-peer --config configs/demo.yaml --solo --run-dir $(RUN_DIR)
+	rm -rf $(RUN_DIR)
+	swarm-demo --peers $(PEERS) --minutes $(MINUTES) --run-dir $(RUN_DIR)
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
     )
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
@@ -86,7 +87,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
     # announce that we are joining, give simultaneous joiners a heartbeat to appear, then claim in turn
     hb_s = cfg.sync.heartbeat_s
     publish_heartbeat(dht, cfg.run_id, me, Heartbeat(experts=[], state="joining"), ttl_s=3 * hb_s)
-    time.sleep(1.5 * hb_s)
+    time.sleep(cfg.sync.join_settle_s)
     beats = read_heartbeats(dht, cfg.run_id)
     local = None
     if cfg.experts.local is None:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.setup(resume=args.resume)
         else:
             dht = _join_swarm(cfg, args, trainer)
-        summary = trainer.train(args.max_steps)
+        summary = trainer.train(args.max_steps, None if args.max_minutes is None else 60 * args.max_minutes)
         if "initial_val_loss" in summary:
             a, b = summary["initial_val_loss"], summary["final_val_loss"]
             print(

@@ -192,6 +192,7 @@ class SyncConfig:
     round_timeout_s: float = 60.0  # a round (matchmaking + all-reduce + checks) never takes longer
     download_timeout_s: float = 30.0
     heartbeat_s: float = 5.0  # records expire after 3 heartbeats
+    join_settle_s: float = 3.0  # a joiner waits this long for simultaneous joiners before claiming experts
     orphan_grace_s: float = 60.0  # an expert with no live holder this long is re-claimed
     max_rel_distance: float = 4.0  # reject a received tensor farther than this x the norm of ours (garbage)
 

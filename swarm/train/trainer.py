@@ -231,10 +231,12 @@ class Trainer:
         )
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def train(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Train until ``max_steps`` optimizer steps in total. Returns a summary (initial/final val loss)."""
+    def train(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict[str, Any]:
+        """Train until ``max_steps`` optimizer steps in total, or for ``max_seconds`` of wall time.
+        Returns a summary (initial/final validation loss)."""
         t = self.cfg.train
         target = t.max_steps if max_steps is None else max_steps
+        stop_at = None if max_seconds is None else time.monotonic() + max_seconds
         summary: dict[str, Any] = {"start_step": self.step}
         if self.step == 0:
             summary["initial_val_loss"] = self.evaluate()
@@ -251,6 +253,10 @@ class Trainer:
         window_t, window_tok = time.perf_counter(), 0
         try:
             while self.step < target:
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    target = self.step  # out of time: this is the last step
+                    self.save()
+                    break
                 rec = self.train_step()
                 window_tok += self._step_tokens()
                 report = StepReport(

@@ -1,0 +1,240 @@
+"""``swarm-demo``: a whole swarm on this machine. A bootstrap peer and N peers on 127.0.0.1 train the demo
+model on the embedded corpus, synchronise, and stop together; then a summary.
+
+    swarm-demo [--peers 4] [--minutes 5] [--run-dir runs/swarm-demo] [--config configs/demo.yaml]
+
+Every process is started here, watched, and reaped by PID; their logs are in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swarm.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="swarm-demo", description="Run a small swarm on this machine.")
+    ap.add_argument("--peers", type=int, default=4, help="number of training peers (default 4)")
+    ap.add_argument("--minutes", type=float, default=5.0, help="training time of every peer (default 5)")
+    ap.add_argument("--run-dir", default="runs/swarm-demo", help="logs, metrics and checkpoints of each peer")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every peer"
+    )
+    return ap.parse_args(argv)
+
+
+def _read(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def _progress(run_dirs: list[Path], t0: float) -> str:
+    parts = []
+    for i, d in enumerate(run_dirs):
+        recs = _read(d / "metrics.jsonl")
+        steps = [r for r in recs if "loss" in r]
+        rounds = [r for r in recs if "dense_group" in r]
+        if steps:
+            parts.append(f"p{i} step {steps[-1]['step']} loss {steps[-1]['loss']:.2f} rounds {len(rounds)}")
+        else:
+            parts.append(f"p{i} starting")
+    return f"[{time.monotonic() - t0:5.0f}s] " + " | ".join(parts)
+
+
+def summarize(run_dirs: list[Path], n_experts: int) -> dict:
+    """Per-peer validation loss, expert coverage, rounds completed and bytes per round."""
+    peers, holders = [], {e: 0 for e in range(n_experts)}
+    for i, d in enumerate(run_dirs):
+        recs = _read(d / "metrics.jsonl")
+        val = [r["val_loss"] for r in recs if "val_loss" in r]
+        rounds = [r for r in recs if "dense_group" in r]
+        ok = [r for r in rounds if r.get("applied") and not r.get("rejected")]
+        per_round = [r["bytes_sent"] + r["bytes_recv"] for r in ok]
+        state = {}
+        ckpts = sorted((d / "checkpoints").glob("step_*/state.json"))
+        if ckpts:
+            state = json.loads(ckpts[-1].read_text())
+        experts = state.get("local_experts", [])
+        for e in experts:
+            holders[e] += 1
+        peers.append(
+            {
+                "peer": i,
+                "experts": experts,
+                "steps": state.get("step"),
+                "val_loss_first": val[0] if val else None,
+                "val_loss_last": val[-1] if val else None,
+                "rounds": len(rounds),
+                "rounds_clean": len(ok),
+                "bytes_per_round": int(sum(per_round) / len(per_round)) if per_round else 0,
+            }
+        )
+    covered = sum(1 for c in holders.values() if c > 0)
+    return {"peers": peers, "experts_covered": covered, "n_experts": n_experts, "holders": holders}
+
+
+def _print_summary(s: dict, formed_s: float | None) -> None:
+    print("\n=== swarm summary ===")
+    if formed_s is not None:
+        print(f"swarm formed in {formed_s:.1f} s (every peer joined)")
+    for p in s["peers"]:
+        a, b = p["val_loss_first"], p["val_loss_last"]
+        loss = f"{a:.3f} -> {b:.3f}" if a is not None and b is not None else "n/a"
+        print(
+            f"peer {p['peer']}: experts {p['experts']}, {p['steps']} steps, val loss {loss}, "
+            f"rounds {p['rounds']} ({p['rounds_clean']} clean), {p['bytes_per_round'] / 1e6:.2f} MB per round"
+        )
+    missing = [e for e, c in s["holders"].items() if c == 0]
+    print(
+        f"experts covered: {s['experts_covered']}/{s['n_experts']}"
+        + (f" (uncovered: {missing})" if missing else "")
+    )
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.peers < 1 or args.minutes <= 0:
+        print("error: --peers must be >= 1 and --minutes > 0", file=sys.stderr)
+        return 2
+    run = Path(args.run_dir)
+    if run.exists() and any(run.iterdir()):
+        print(f"error: {run} is not empty; choose another --run-dir or remove it", file=sys.stderr)
+        return 2
+    run.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    py = sys.executable
+    # build the corpus once, before the peers race for it
+    subprocess.run(
+        [py, "-m", "swarm.data.cli", "stdlib", "--vocab-size", str(cfg.data.stdlib_vocab_size)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
+    boot_log = open(run / "bootstrap.log", "w")
+    boot = subprocess.Popen(
+        [py, "-m", "bootstrap.main", "--config", args.config],
+        cwd=ROOT,
+        env=env,
+        stdout=boot_log,
+        stderr=subprocess.STDOUT,
+    )
+    peers: list[subprocess.Popen] = []
+    run_dirs = [run / f"peer{i}" for i in range(args.peers)]
+    try:
+        maddr = _wait_for_maddr(run / "bootstrap.log", boot)
+        print(f"bootstrap peer: {maddr}")
+        t0 = time.monotonic()
+        threads = max(1, (os.cpu_count() or 1) // args.peers)
+        for i, d in enumerate(run_dirs):
+            cmd = [
+                py,
+                "-m",
+                "peers.main",
+                "--config",
+                args.config,
+                "--initial-peers",
+                maddr,
+                "--run-dir",
+                str(d),
+                "--max-minutes",
+                str(args.minutes),
+                "--no-progress",
+                "--set",
+                f"train.threads={threads}",
+            ]
+            for item in args.set:
+                cmd += ["--set", item]
+            log = open(run / f"peer{i}.log", "w")
+            peers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        formed = _wait_formed(run, args.peers, peers, t0)
+        print(f"swarm formed in {formed:.1f} s" if formed is not None else "swarm did not form in 60 s")
+        last = 0.0
+        while any(p.poll() is None for p in peers):
+            if time.monotonic() - last > 15:
+                print(_progress(run_dirs, t0), flush=True)
+                last = time.monotonic()
+            time.sleep(1)
+        codes = [p.returncode for p in peers]
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the peers (they write checkpoints)", file=sys.stderr)
+        codes = [_stop(p) for p in peers]
+        formed = None
+    finally:
+        for p in peers:
+            _stop(p)
+        _stop(boot)
+    summary = summarize(run_dirs, cfg.model.n_experts)
+    _print_summary(summary, formed)
+    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    bad = [i for i, c in enumerate(codes) if c != 0]
+    if bad:
+        print(
+            f"peers {bad} exited with codes {[codes[i] for i in bad]}; see {run}/peer*.log", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def _wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.strip().startswith("/ip") and "/p2p/" in line:
+                return line.strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the bootstrap peer exited ({proc.returncode}); see {log}")
+        time.sleep(0.2)
+    raise TimeoutError("the bootstrap peer did not start in time")
+
+
+def _wait_formed(
+    run: Path, n: int, peers: list[subprocess.Popen], t0: float, timeout: float = 60
+) -> float | None:
+    """Seconds until every peer has joined (printed its 'joined run' line)."""
+    while time.monotonic() - t0 < timeout:
+        joined = sum("joined run" in (run / f"peer{i}.log").read_text() for i in range(n))
+        if joined == n:
+            return time.monotonic() - t0
+        if any(p.poll() is not None for p in peers):
+            return None
+        time.sleep(0.2)
+    return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
