@@ -129,3 +129,82 @@ def test_peer_with_another_model_is_refused(tiny_config, tmp_path, bootstrap_pee
     errors = [ln for ln in other.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "fingerprint" in errors[0], other.stderr[-2000:]
     assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def _wait(cond, timeout, what):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_peer):
+    import math
+    import signal
+    import time
+
+    runs = [tmp_path / f"p{i}" for i in range(3)]
+    args = [
+        "--config",
+        str(tiny_config),
+        "--initial-peers",
+        bootstrap_peer,
+        "--max-steps",
+        "100000",
+        *SWARM_SETTINGS,
+        "--set",
+        "train.checkpoint_every=25",
+    ]
+
+    def start(i, minutes, *extra):
+        return subprocess.Popen(
+            peer_cmd(*args, "--run-dir", str(runs[i]), "--max-minutes", str(minutes), *extra),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"p{i}.err", "a"),
+        )
+
+    procs = [start(i, 1.0) for i in range(3)]
+    try:
+        # kill peer 2 while a round is under way: right after it started its second round
+        _wait(lambda: (runs[2] / "metrics.jsonl").exists() and len(_rounds(runs[2])) >= 1, 120, "first round")
+        _wait(
+            lambda: any(r.get("step", 0) >= 100 for r in read_metrics(runs[2] / "metrics.jsonl")),
+            60,
+            "step 100",
+        )
+        time.sleep(1.0)
+        procs[2].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        for p in procs[:2]:
+            assert p.wait(timeout=240) == 0
+        after_kill = time.time() - killed_at
+        # the survivors kept training: steps went on well past the kill, and rounds kept completing
+        for run in runs[:2]:
+            steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+            assert steps[-1]["step"] >= 300, steps[-1]
+            assert after_kill < 2 * 30 + 120  # nobody stalled on the dead peer (round timeout is 30 s)
+            ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
+            assert all(torch.isfinite(t).all() for t in ckpt.model.values())
+            rounds = _rounds(run)
+            assert sum(1 for r in rounds if "dense" in r.get("applied_groups", [])) >= 2
+            assert all(r["dense_group"] <= 3 for r in rounds)
+            assert all(math.isfinite(r["sync_seconds"]) and r["sync_seconds"] <= 30 + 5 for r in rounds)
+        # the killed peer comes back from its checkpoint and rejoins the (now smaller) swarm
+        killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
+        survivors = [start(i, 0.5, "--resume") for i in range(2)]
+        back = start(2, 0.4, "--resume")
+        assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
+        for p in survivors:
+            assert p.wait(timeout=180) == 0
+        later = [r for r in _rounds(runs[2]) if r["step"] > killed_step]
+        assert any("dense" in r["applied_groups"] and r["dense_group"] >= 2 for r in later), later
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
