@@ -35,6 +35,7 @@ from swarm.net.records import (
     withdraw_heartbeat,
 )
 from swarm.net.round_consensus import confirm_round, digest, group_key
+from swarm.net.traffic import TrafficMeter
 from swarm.sync import (
     OuterStep,
     RejectedTensor,
@@ -80,11 +81,13 @@ class SwarmSync:
             for e in self.local
         }
         self.heartbeat = Heartbeat(experts=self.local, state="training")
+        self.traffic = TrafficMeter(dht.pid)
         self.holders: dict[int, set[str]] = {e: set() for e in range(self.n_experts)}
         self.peers: dict[str, Heartbeat] = {}
         self._tokens = 0
         self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
         self._round_index = 0
+        self._last_step_time: float | None = None
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
         self._stop = threading.Event()
@@ -113,9 +116,14 @@ class SwarmSync:
     def after_step(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
         self._tokens += report.step_tokens
         self._expert_tokens += report.expert_tokens.cpu()
+        now = time.monotonic()
         with self._hb_lock:
             hb = self.heartbeat
+            if self._last_step_time is not None and now > self._last_step_time:  # smoothed tokens/s
+                rate = report.step_tokens / (now - self._last_step_time)
+                hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
             hb.step, hb.tokens, hb.loss = report.step, report.tokens, report.loss
+        self._last_step_time = now
         records = []
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
@@ -161,6 +169,7 @@ class SwarmSync:
         t0 = time.monotonic()
         deadline = t0 + self.sc.round_timeout_s
         self.refresh_peers()  # who holds what, as of now: a sole holder skips averaging its expert
+        wire0 = self.traffic.total()
         result = RoundResult(index, step)
         rec = result.record
         rec.update(step=step, round=index, expert_groups={}, rejected=[])
@@ -194,8 +203,8 @@ class SwarmSync:
                     result.experts[name] = (local, avg)
             if (
                 avg is not None and size > 1
-            ):  # butterfly all-reduce: send (n-1)/n of the data, receive as much
-                sent += int(sum(t.numel() * 4 for t in local) * (size - 1) / size)
+            ):  # butterfly all-reduce: our n-1 foreign parts out, our averaged part back to the n-1 others
+                sent += int(2 * sum(t.numel() * 4 for t in local) * (size - 1) / size)  # received: as much
         recv = sent
         for e, mine in frozen.items():
             got = self._download(e, mine, step, deadline, rec)
@@ -203,7 +212,10 @@ class SwarmSync:
                 result.downloads[e] = got
                 recv += sum(t.numel() * 2 for t in got)  # fp16 on the wire
         self._merge(result, experts, frozen, step, index)
+        wire1 = self.traffic.total()
         rec.update(bytes_sent=sent, bytes_recv=recv, sync_seconds=round(time.monotonic() - t0, 3))
+        if wire0 is not None and wire1 is not None:
+            rec["wire_bytes"] = wire1 - wire0  # measured at our p2pd: both directions, overhead included
         self._results.put(result)
 
     def _finish(self, group, control, local, deadline, max_w, rec, name, info):
