@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bootstrap peer: {maddr}")
         t0 = time.monotonic()
         threads = max(1, (os.cpu_count() or 1) // args.peers)
+        # one wall time for all: the peers stop together and meet for their last round
+        stop_at = time.time() + 15 + 60 * args.minutes
         for i, d in enumerate(run_dirs):
             cmd = [
                 py,
@@ -250,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 maddr,
                 "--run-dir",
                 str(d),
-                "--max-minutes",
-                str(args.minutes),
+                "--stop-at",
+                str(stop_at),
                 "--no-progress",
                 "--set",
                 f"train.threads={threads}",

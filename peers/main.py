@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
     )
     ap.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
+    ap.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        metavar="UNIX_TIME",
+        help="stop at this wall time; peers given the same value take their last round together",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
@@ -108,7 +115,8 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
         file=sys.stderr,
         flush=True,
     )
-    trainer.sync = SwarmSync(cfg, dht, trainer.model)
+    final_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
+    trainer.sync = SwarmSync(cfg, dht, trainer.model, final_at=final_at)
     return dht
 
 
@@ -129,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.setup(resume=args.resume)
         else:
             dht = _join_swarm(cfg, args, trainer)
-        summary = trainer.train(args.max_steps, None if args.max_minutes is None else 60 * args.max_minutes)
+        limits = [60 * args.max_minutes] if args.max_minutes is not None else []
+        if args.stop_at is not None:
+            limits.append(args.stop_at - time.time())
+        summary = trainer.train(args.max_steps, min(limits) if limits else None)
         if "initial_val_loss" in summary:
             a, b = summary["initial_val_loss"], summary["final_val_loss"]
             print(

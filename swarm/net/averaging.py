@@ -118,6 +118,7 @@ class AveragingGroup:
         weight: float,
         info: dict[str, Any],
         matchmaking_timeout: float,
+        scheduled_time: float | None = None,
     ) -> StepControl:
         """Load ``snapshot`` and begin a round in the background. ``info`` is gathered by all members."""
         with self.averager.get_tensors() as mine:
@@ -127,7 +128,12 @@ class AveragingGroup:
         if len(gather) > MAX_INFO_BYTES:
             raise ValueError("round info too large")
         return self.averager.step(
-            gather=gather, weight=weight, timeout=matchmaking_timeout, wait=False, allow_retries=False
+            gather=gather,
+            weight=weight,
+            timeout=matchmaking_timeout,
+            scheduled_time=scheduled_time,  # None: now + the matchmaking time
+            wait=False,
+            allow_retries=False,
         )
 
     def finish(

@@ -64,9 +64,14 @@ class RoundResult:
 class SwarmSync:
     """See the module docstring."""
 
-    def __init__(self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer) -> None:
+    def __init__(
+        self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, final_at: float | None = None
+    ) -> None:
         self.cfg, self.dht, self.sc = cfg, dht, cfg.sync
         self.run_id, self.me = cfg.run_id, dht.peer_id.to_base58()
+        self.final_at = (
+            final_at  # wall time at which all peers of a run that stop together meet for a last round
+        )
         self.n_experts = cfg.model.n_experts
         self.local = list(model.local_experts)
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
@@ -87,6 +92,8 @@ class SwarmSync:
         self._tokens = 0
         self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
         self._round_index = 0
+        self._finishing = False
+        self._download_failures: list[str] = []
         self._last_step_time: float | None = None
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
@@ -147,43 +154,68 @@ class SwarmSync:
             self._in_flight.join(timeout=self.sc.round_timeout_s + 5)
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
-        self._start_round(model, report.step)
-        self._in_flight.join(timeout=self.sc.round_timeout_s + 5)
+        self._finishing = True
+        scheduled = None
+        if self.final_at is not None:  # every peer of the run meets at the same moment for the last round
+            scheduled = max(self.final_at, time.time() + self.sc.matchmaking_s)
+        self._start_round(model, report.step, scheduled)
+        self._in_flight.join(timeout=self.sc.round_timeout_s + max(0.0, (scheduled or 0) - time.time()) + 5)
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()) | {"final": True})
+        self._linger()
         return records
 
-    def _start_round(self, model: MoETransformer, step: int) -> None:
+    def _linger(self) -> None:
+        """Keep serving our experts until the other live peers have finished their last round too (they may
+        still be downloading from us), at most half a round timeout."""
+        with self._hb_lock:
+            self.heartbeat.state = "done"
+            hb = Heartbeat(**vars(self.heartbeat))
+        publish_heartbeat(
+            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
+        )
+        deadline = time.monotonic() + self.sc.round_timeout_s / 2
+        while time.monotonic() < deadline:
+            beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
+            if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):
+                return
+            time.sleep(0.5)
+
+    def _start_round(self, model: MoETransformer, step: int, scheduled: float | None = None) -> None:
         self._round_index += 1
         dense = snapshot(dense_tensors(model))
         experts = {e: snapshot(expert_tensors(model, e)) for e in self.local}
         frozen = {e: snapshot(expert_tensors(model, e)) for e in range(self.n_experts) if e not in self.local}
         weights = {"dense": float(self._tokens)} | {e: float(self._expert_tokens[e]) for e in self.local}
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
-        args = (self._round_index, step, dense, experts, frozen, weights)
+        args = (self._round_index, step, dense, experts, frozen, weights, scheduled)
         self._in_flight = threading.Thread(target=self._run_round, args=args, name="swarm-round", daemon=True)
         self._in_flight.start()
 
     # -- a round (background thread) ---------------------------------------------------------------------
-    def _run_round(self, index, step, dense, experts, frozen, weights) -> None:
+    def _run_round(self, index, step, dense, experts, frozen, weights, scheduled=None) -> None:
         t0 = time.monotonic()
-        deadline = t0 + self.sc.round_timeout_s
+        wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
+        deadline = t0 + wait + self.sc.round_timeout_s
         self.refresh_peers()  # who holds what, as of now: a sole holder skips averaging its expert
         wire0 = self.traffic.total()
         result = RoundResult(index, step)
         rec = result.record
         rec.update(step=step, round=index, expert_groups={}, rejected=[])
         max_w = MAX_WEIGHT_FACTOR * max(1.0, weights["dense"])
-        info = {"step": step, "round": index}
+        final = scheduled is not None or self._finishing
+        info = {"step": step, "round": index, "final": final}
         controls = {}
-        mm = self.sc.matchmaking_s + self.sc.round_timeout_s / 4
+        mm = wait + self.sc.matchmaking_s + self.sc.round_timeout_s / 4
         controls["dense"] = self.dense_group.start(
-            dense, clamp_weight(weights["dense"], max_w), info | {"weight": weights["dense"]}, mm
+            dense, clamp_weight(weights["dense"], max_w), info | {"weight": weights["dense"]}, mm, scheduled
         )
         for e in self.local:
             if self.holders.get(e, set()) - {self.me}:
                 w = clamp_weight(weights[e], max_w)
-                controls[e] = self.expert_groups[e].start(experts[e], max(w, 1.0), info | {"weight": w}, mm)
+                controls[e] = self.expert_groups[e].start(
+                    experts[e], max(w, 1.0), info | {"weight": w}, mm, scheduled
+                )
             else:  # sole holder: nothing to average, but serve our copy to downloaders
                 self.expert_groups[e].publish(experts[e], info)
                 rec["expert_groups"][str(e)] = 1
@@ -207,10 +239,11 @@ class SwarmSync:
                 sent += int(2 * sum(t.numel() * 4 for t in local) * (size - 1) / size)  # received: as much
         recv = sent
         for e, mine in frozen.items():
-            got = self._download(e, mine, step, deadline, rec)
+            got = self._download(e, mine, step, final, deadline, rec)
             if got is not None:
                 result.downloads[e] = got
                 recv += sum(t.numel() * 2 for t in got)  # fp16 on the wire
+        rec["download_failures"], self._download_failures = self._download_failures, []
         self._merge(result, experts, frozen, step, index)
         wire1 = self.traffic.total()
         rec.update(bytes_sent=sent, bytes_recv=recv, sync_seconds=round(time.monotonic() - t0, 3))
@@ -250,22 +283,37 @@ class SwarmSync:
             return None, size
         return outcome.tensors, size
 
+    def _fresh_state(self, peer: str, e: int, step: int, final: bool, deadline: float):
+        """Expert e as served by ``peer``, waiting (until the deadline) while the holder is still finishing
+        the same round: its result is the copy worth having. A holder behind us is taken as it is."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0.5:
+                return None
+            got = download_state(
+                self.dht, peer, f"{self.run_id}_expert{e}", timeout=min(left, self.sc.download_timeout_s)
+            )
+            if got is None or not isinstance(got[0], dict) or not isinstance(got[0].get("step"), int):
+                why = "no answer" if got is None else f"no finished round (meta {str(got[0])[:60]})"
+                self._download_failures.append(f"expert{e} from {peer[-8:]}: {why}")
+                return None
+            fresh = bool(got[0].get("final")) if final else got[0]["step"] >= step
+            behind = self.peers.get(peer, Heartbeat([])).step < step
+            if fresh or behind:
+                return got
+            time.sleep(0.5)
+
     def _download(
-        self, e: int, mine: list[torch.Tensor], step: int, deadline: float, rec
+        self, e: int, mine: list[torch.Tensor], step: int, final: bool, deadline: float, rec
     ) -> list[torch.Tensor] | None:
         holders = sorted(
             self.holders.get(e, set()) - {self.me},
             key=lambda p: -self.peers[p].step if p in self.peers else 0,
         )
         for peer in holders[:2]:
-            left = deadline - time.monotonic()
-            if left <= 0.5:
-                break
-            got = download_state(
-                self.dht, peer, f"{self.run_id}_expert{e}", timeout=min(left, self.sc.download_timeout_s)
-            )
-            if got is None or not isinstance(got[0], dict) or "step" not in got[0]:
-                continue  # holder gone, or has not finished a round yet
+            got = self._fresh_state(peer, e, step, final, deadline)
+            if got is None:
+                continue  # holder gone, or it has not finished a round yet
             tensors = [t.float() for t in got[1]]
             try:
                 if len(tensors) != len(mine):
