@@ -1,5 +1,8 @@
 """A real swarm on 127.0.0.1: a bootstrap peer and three ``swarm-peer`` processes train and synchronise."""
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 
@@ -149,8 +152,6 @@ def _wait(cond, timeout, what):
 
 def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_peer):
     import math
-    import signal
-    import time
 
     runs = [tmp_path / f"p{i}" for i in range(3)]
     args = [
@@ -171,9 +172,11 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"p{i}.err", "a"),
+            start_new_session=True,  # its own process group: the peer and its hivemind processes
         )
 
     procs = [start(i, 1.0) for i in range(3)]
+    survivors, back = [], None
     try:
         # kill peer 2 while a round is under way: right after it started its second round
         _wait(lambda: (runs[2] / "metrics.jsonl").exists() and len(_rounds(runs[2])) >= 1, 120, "first round")
@@ -183,9 +186,10 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             "step 100",
         )
         time.sleep(1.0)
-        procs[2].send_signal(signal.SIGKILL)
+        os.killpg(procs[2].pid, signal.SIGKILL)  # the whole peer dies at once, as in a crash
         killed_at = time.time()
         assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        time.sleep(1)  # its orphaned children (DHT, p2pd, averagers) died with the group
         for p in procs[:2]:
             assert p.wait(timeout=240) == 0
         after_kill = time.time() - killed_at
@@ -210,6 +214,10 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         later = [r for r in _rounds(runs[2]) if r["step"] > killed_step]
         assert any("dense" in r["applied_groups"] and r["dense_group"] >= 2 for r in later), later
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for p in [
+            *procs,
+            *survivors,
+            *([back] if back else []),
+        ]:  # reap every process group we started, by PID
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
