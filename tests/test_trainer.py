@@ -145,6 +145,11 @@ def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
     assert load_checkpoint(latest_checkpoint(run / "checkpoints")).step >= 3
 
 
+def _train_solo(config, run_dir, steps: int) -> None:
+    res = run_peer("--config", str(config), "--solo", "--run-dir", str(run_dir), "--max-steps", str(steps))
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def _one_error_line(res):
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert res.returncode == 2, res.stderr
@@ -204,12 +209,7 @@ def test_corrupt_shard_exit_2(tiny_config, tiny_data, tmp_path):
 
 def test_corrupt_checkpoint_exit_2_and_is_kept(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert (
-        run_peer(
-            "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10"
-        ).returncode
-        == 0
-    )
+    _train_solo(tiny_config, run, 10)
     latest = latest_checkpoint(run / "checkpoints")
     (latest / "model.safetensors").write_bytes(b"garbage")
     line = _one_error_line(
@@ -221,10 +221,7 @@ def test_corrupt_checkpoint_exit_2_and_is_kept(tiny_config, tmp_path):
 
 def test_other_model_in_run_dir_is_refused(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert (
-        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "2").returncode
-        == 0
-    )
+    _train_solo(tiny_config, run, 2)
     line = _one_error_line(
         run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--set", "model.d_model=64")
     )
@@ -233,12 +230,7 @@ def test_other_model_in_run_dir_is_refused(tiny_config, tmp_path):
 
 def test_existing_checkpoints_need_resume(tiny_config, tmp_path):
     run = tmp_path / "run"
-    assert (
-        run_peer(
-            "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "10"
-        ).returncode
-        == 0
-    )
+    _train_solo(tiny_config, run, 10)
     before = read_metrics(run / "metrics.jsonl")
     line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run)))
     assert "--resume" in line

@@ -47,7 +47,7 @@ from swarm.sync import (
 )
 from swarm.train.sync_hook import StepReport
 
-# a peer cannot plausibly report more tokens for one round than this many times its own
+# a peer cannot plausibly report more tokens for one round than this many times a round of this run's steps
 MAX_WEIGHT_FACTOR = 100.0
 
 
@@ -92,6 +92,7 @@ class SwarmSync:
         self._tokens = 0
         self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
         self._round_index = 0
+        self._step_tokens = 0
         self._finishing = False
         self._download_failures: list[str] = []
         self._last_step_time: float | None = None
@@ -131,6 +132,8 @@ class SwarmSync:
                 hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
             hb.step, hb.tokens, hb.loss = report.step, report.tokens, report.loss
         self._last_step_time = now
+        if report.step_tokens:
+            self._step_tokens = report.step_tokens
         records = []
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
@@ -202,13 +205,19 @@ class SwarmSync:
         result = RoundResult(index, step)
         rec = result.record
         rec.update(step=step, round=index, expert_groups={}, rejected=[])
-        max_w = MAX_WEIGHT_FACTOR * max(1.0, weights["dense"])
+        # the same bound on every peer of the run (from the config, not from our own timing), so all members
+        # of a group reach the same verdict on the weights they gathered
+        max_w = MAX_WEIGHT_FACTOR * self.sc.sync_every * max(1, self._step_tokens)
         final = scheduled is not None or self._finishing
         info = {"step": step, "round": index, "final": final}
         controls = {}
         mm = wait + self.sc.matchmaking_s + self.sc.round_timeout_s / 4
         controls["dense"] = self.dense_group.start(
-            dense, clamp_weight(weights["dense"], max_w), info | {"weight": weights["dense"]}, mm, scheduled
+            dense,
+            max(1.0, clamp_weight(weights["dense"], max_w)),
+            info | {"weight": weights["dense"]},
+            mm,
+            scheduled,
         )
         for e in self.local:
             if self.holders.get(e, set()) - {self.me}:
