@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     peers: list[subprocess.Popen] = []
     run_dirs = [run / f"peer{i}" for i in range(args.peers)]
     try:
-        maddr = _wait_for_maddr(run / "bootstrap.log", boot)
+        maddr = wait_for_maddr(run / "bootstrap.log", boot)
         print(f"bootstrap peer: {maddr}")
         t0 = time.monotonic()
         threads = max(1, (os.cpu_count() or 1) // args.peers)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
+def wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():

@@ -106,14 +106,10 @@ def bootstrap_peer(tmp_path):
 
 
 def wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
-    import time
+    """The multiaddr a bootstrap process prints (the demo's own helper), with its log on failure."""
+    from peers.demo import wait_for_maddr as demo_wait
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for line in log.read_text().splitlines():
-            if line.strip().startswith("/ip4/") and "/p2p/" in line:
-                return line.strip()
-        if proc.poll() is not None:
-            raise RuntimeError(f"bootstrap exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    raise TimeoutError("bootstrap did not print its address")
+    try:
+        return demo_wait(log, proc, timeout)
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"{e}: {log.read_text()[-2000:]}") from None
