@@ -140,7 +140,7 @@ def train_one_step(model: torch.nn.Module, cfg: RunConfig, seq: int) -> torch.op
 
     from swarm.train.optimizer import build_optimizer
 
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg.train)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=gen)
     out = model(x[:, :-1], targets=x[:, 1:])

@@ -146,14 +146,16 @@ def build_variants(cfg: RunConfig, args: argparse.Namespace, x: torch.Tensor) ->
     local = list(range(args.local))
     variants = []
     model, fn = ours(None, "float32")
-    variants.append(Variant("ours-all", model, build_optimizer(model, cfg), fn))
+    variants.append(Variant("ours-all", model, build_optimizer(model, cfg.train), fn))
     canonical = model.canonical_state_dict()
     model, fn = ours(local, "float32")
-    variants.append(Variant(f"ours-{args.local}of{m.n_experts}", model, build_optimizer(model, cfg), fn))
+    variants.append(
+        Variant(f"ours-{args.local}of{m.n_experts}", model, build_optimizer(model, cfg.train), fn)
+    )
     if args.bf16_frozen:
         model, fn = ours(local, "bfloat16")
         name = f"ours-{args.local}of{m.n_experts}-bf16"
-        variants.append(Variant(name, model, build_optimizer(model, cfg), fn))
+        variants.append(Variant(name, model, build_optimizer(model, cfg.train), fn))
 
     hf_cfg = olmoe_config(
         m, pad_token_id=None, eos_token_id=None, use_cache=False, experts_implementation="grouped_mm"

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from swarm.config import RunConfig, TrainConfig
+from swarm.config import TrainConfig
 from swarm.model import MoETransformer
 from swarm.train.checkpoint import CheckpointError
 
 
-def build_optimizer(model: MoETransformer, cfg: TrainConfig | RunConfig) -> torch.optim.AdamW:
+def build_optimizer(model: MoETransformer, t: TrainConfig) -> torch.optim.AdamW:
     """AdamW over trainable parameters only; matrices decay, norms do not."""
     decay, no_decay = [], []
     for p in model.trainable_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
-    t = cfg.train if isinstance(cfg, RunConfig) else cfg
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
 

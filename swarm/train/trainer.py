@@ -118,7 +118,7 @@ class Trainer:
         self.model = MoETransformer(cfg.model, local, cfg.experts.frozen_dtype)
         self.model.init_weights(cfg.train.seed)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.model, cfg.train)
         save_config(cfg, self.run_dir / "config.yaml")  # only now: every check above has passed
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         if ckpt is not None:
