@@ -35,7 +35,7 @@ class Heartbeat:
     last_round_time: float | None = None
     bytes_sent: int = 0
     bytes_recv: int = 0
-    state: str = "joining"  # joining | training | done (finished its last round) | leaving
+    state: str = "joining"  # joining | training | finishing (in its last round) | done | leaving
     rounds_ok: int = 0
     rounds_failed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -27,6 +27,7 @@ from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.averaging import AveragingGroup, download_state
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, per_layer, snapshot
+from swarm.net.final_agreement import FinalGroup, agree_on_final_copies
 from swarm.net.records import (
     Heartbeat,
     expert_holders,
@@ -43,6 +44,8 @@ from swarm.sync import (
     clamp_weight,
     merge_alpha_at,
     merge_experts,
+    orphan_claim_rank,
+    orphan_swap,
     should_merge,
 )
 from swarm.train.sync_hook import StepReport
@@ -75,7 +78,7 @@ class SwarmSync:
         self.n_experts = cfg.model.n_experts
         self.local = list(model.local_experts)
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
-        kw = dict(
+        self._group_kw = kw = dict(
             matchmaking_time=self.sc.matchmaking_s,
             allreduce_timeout=self.sc.round_timeout_s,
             request_timeout=min(3.0, self.sc.matchmaking_s / 2),
@@ -100,6 +103,7 @@ class SwarmSync:
         self._in_flight: threading.Thread | None = None
         self._stop = threading.Event()
         self._hb_lock = threading.Lock()
+        self._orphaned: dict[int, float] = {}  # expert -> since when (monotonic) it has had no live holder
         self.refresh_peers()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -107,8 +111,17 @@ class SwarmSync:
     # -- membership ---------------------------------------------------------------------------------------
     def refresh_peers(self) -> None:
         beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
-        self.peers = {p: hb for p, (hb, _) in beats.items()}
-        self.holders = expert_holders(beats, self.n_experts)
+        if self.me not in beats:  # the DHT did not answer (or our record is not out yet): learn nothing
+            return
+        holders = expert_holders(beats, self.n_experts)
+        now = time.monotonic()
+        with self._hb_lock:
+            self.peers, self.holders = {p: hb for p, (hb, _) in beats.items()}, holders
+            for e, who in holders.items():
+                if who:
+                    self._orphaned.pop(e, None)
+                else:
+                    self._orphaned.setdefault(e, now)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -151,6 +164,49 @@ class SwarmSync:
                 self._start_round(model, report.step)
         return records
 
+    def wanted_experts(self) -> list[int] | None:
+        """An orphan re-claim (DESIGN: "Joining, claiming, leaving"): when an expert has had no live holder
+        for ``orphan_grace_s`` and all our experts have another holder, give up our most replicated expert
+        for it. Eligible peers wait their rank (``orphan_claim_rank``) in extra heartbeat periods."""
+        if self._finishing or (self._in_flight is not None and self._in_flight.is_alive()):
+            return None
+        with self._hb_lock:
+            holders = {e: set(who) for e, who in self.holders.items()}
+            now = time.monotonic()
+            ages = {e: now - since for e, since in self._orphaned.items()}
+        swap = orphan_swap(self.local, holders, ages, self.sc.orphan_grace_s, self.me)
+        if swap is None:
+            return None
+        give, take = swap
+        rank = orphan_claim_rank(take, holders, self.me)
+        if rank is None or ages[take] < self.sc.orphan_grace_s + 2 * rank * self.sc.heartbeat_s:
+            return None
+        return sorted(set(self.local) - {give} | {take})
+
+    def experts_changed(self, model: MoETransformer) -> None:
+        """The trainer switched experts: leave the old experts' groups, join the new ones, tell the swarm."""
+        new = list(model.local_experts)
+        gone, came = sorted(set(self.local) - set(new)), sorted(set(new) - set(self.local))
+        for e in gone:
+            self.expert_groups.pop(e).shutdown()
+            self.outer.buffers = {
+                k: v for k, v in self.outer.buffers.items() if not k.startswith(f"expert{e}.")
+            }
+        for e in came:
+            self.expert_groups[e] = AveragingGroup(
+                self.dht, f"{self.run_id}_expert{e}", expert_tensors(model, e), **self._group_kw
+            )
+        self.local = new
+        with self._hb_lock:
+            self.heartbeat.experts = list(new)
+            for e in came:
+                self._orphaned.pop(e, None)
+                self.holders[e].add(self.me)
+            hb = Heartbeat(**vars(self.heartbeat))
+        publish_heartbeat(
+            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
+        )
+
     def finish(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
         records = []
         if self._in_flight is not None:
@@ -158,6 +214,7 @@ class SwarmSync:
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
         self._finishing = True
+        self._set_state("finishing")
         scheduled = None
         if self.final_at is not None:  # every peer of the run meets at the same moment for the last round
             scheduled = max(self.final_at, time.time() + self.sc.matchmaking_s)
@@ -165,18 +222,43 @@ class SwarmSync:
         self._in_flight.join(timeout=self.sc.round_timeout_s + max(0.0, (scheduled or 0) - time.time()) + 5)
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()) | {"final": True})
+        adopted, unsettled = self._agree_on_final_copies(model, report.step)
+        if records:
+            records[-1].update(final_adopted=adopted, final_unsettled=unsettled)
+            records[-1]["applied"] = records[-1]["applied"] or bool(adopted)
         self._linger()
         return records
 
-    def _linger(self) -> None:
-        """Keep serving our experts until the other live peers have finished their last round too (they may
-        still be downloading from us), at most half a round timeout."""
+    def _agree_on_final_copies(self, model: MoETransformer, step: int) -> tuple[list[str], list[str]]:
+        beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
+        ending = {p for p, (hb, _) in beats.items() if hb.state in ("finishing", "done")} - {self.me}
+        groups = {"dense": FinalGroup(self.dense_group, dense_tensors(model), ending)}
+        for e in self.local:
+            holders = {p for p, (hb, _) in beats.items() if e in hb.experts}
+            groups[f"expert{e}"] = FinalGroup(
+                self.expert_groups[e], expert_tensors(model, e), ending & holders
+            )
+
+        def check(name, got, mine):
+            for i, (g, m) in enumerate(zip(got, mine, strict=True)):
+                check_tensor(f"{name}[{i}]", g, m, self.sc.max_rel_distance)
+
+        meta = {"step": step, "round": self._round_index, "final": True}
+        timeout = min(10.0, self.sc.round_timeout_s / 3)
+        return agree_on_final_copies(self.dht, self.run_id, self.me, groups, meta, timeout, check)
+
+    def _set_state(self, state: str) -> None:
         with self._hb_lock:
-            self.heartbeat.state = "done"
+            self.heartbeat.state = state
             hb = Heartbeat(**vars(self.heartbeat))
         publish_heartbeat(
             self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
         )
+
+    def _linger(self) -> None:
+        """Keep serving our experts until the other live peers have finished their last round too (they may
+        still be downloading from us), at most half a round timeout."""
+        self._set_state("done")
         deadline = time.monotonic() + self.sc.round_timeout_s / 2
         while time.monotonic() < deadline:
             beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
@@ -198,8 +280,12 @@ class SwarmSync:
     # -- a round (background thread) ---------------------------------------------------------------------
     def _run_round(self, index, step, dense, experts, frozen, weights, scheduled=None) -> None:
         t0 = time.monotonic()
+        if scheduled is not None:
+            # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
+            # whichever ordinary round another peer is in: start looking only when the shared window opens
+            time.sleep(max(0.0, scheduled - self.sc.matchmaking_s - time.time()))
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
-        deadline = t0 + wait + self.sc.round_timeout_s
+        deadline = time.monotonic() + wait + self.sc.round_timeout_s
         self.refresh_peers()  # who holds what, as of now: a sole holder skips averaging its expert
         wire0 = self.traffic.total()
         result = RoundResult(index, step)
@@ -267,10 +353,16 @@ class SwarmSync:
             return None, 1
         members = outcome.members
         size = len(members)
+        rec.setdefault("members", {})[str(name)] = sorted(peer[-6:] for peer in members)
         if any(
             not isinstance(m.get("weight"), (int, float)) or m["weight"] > max_w for m in members.values()
         ):
             rec["rejected"].append(f"{name}: a member reported an implausible weight")
+            return None, size
+        if any(m.get("final") != info["final"] for m in members.values()):
+            # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and
+            # we would end holding a copy it never had (every member sees the same infos and drops it)
+            rec["rejected"].append(f"{name}: a member was in another kind of round (last vs ordinary)")
             return None, size
         key = group_key(self.run_id, group.prefix, members)
         ok, why = confirm_round(

@@ -2,7 +2,7 @@
 and the checks every received tensor must pass."""
 
 from swarm.sync.apply_average import OuterStep
-from swarm.sync.claims import choose_experts, orphan_swap, settle_joiners
+from swarm.sync.claims import choose_experts, orphan_claim_rank, orphan_swap, settle_joiners
 from swarm.sync.merge import merge_alpha_at, merge_experts, should_merge
 from swarm.sync.tensor_checks import RejectedTensor, check_tensor, clamp_weight
 
@@ -14,6 +14,7 @@ __all__ = [
     "clamp_weight",
     "merge_alpha_at",
     "merge_experts",
+    "orphan_claim_rank",
     "orphan_swap",
     "settle_joiners",
     "should_merge",

@@ -51,6 +51,20 @@ def orphan_swap(
     return give, take
 
 
+def orphan_claim_rank(orphan: int, holders: Mapping[int, Set[str]], peer_id: str) -> int | None:
+    """Where ``peer_id`` stands among the peers that may take ``orphan`` (every expert they hold has another
+    live holder), ordered by a hash of (peer, orphan) that every peer computes alike; None if not eligible.
+    Rank r waits r extra heartbeat periods, so normally exactly one peer takes the orphan."""
+    held: dict[str, list[int]] = {}
+    for e, peers in holders.items():
+        for p in peers:
+            held.setdefault(p, []).append(e)
+    eligible = [p for p, mine in held.items() if all(len(holders[e]) >= 2 for e in mine)]
+    if peer_id not in eligible:
+        return None
+    return sorted(eligible, key=lambda p: _tie_break(p, orphan)).index(peer_id)
+
+
 def settle_joiners(
     holders: Mapping[int, Set[str]], joining: list[str], n_experts: int, per_peer: int
 ) -> dict[str, list[int]]:

@@ -43,3 +43,23 @@ def load_optimizer_tensors(
             if slot in st and st[slot].shape != p.shape:
                 raise CheckpointError(f"optimizer state {name}/{slot} has shape {tuple(st[slot].shape)}")
         opt.state[p] = {k: (v.to(p.device) if k != "step" else v) for k, v in st.items()}
+
+
+def remap_expert_moments(
+    flat: dict[str, torch.Tensor], old_experts: list[int], new_experts: list[int]
+) -> dict[str, torch.Tensor]:
+    """Optimizer state (``optimizer_tensors``) for a peer that switches from ``old_experts`` to
+    ``new_experts``: the local expert banks keep one row per local expert in sorted order, so rows of kept
+    experts move to their new place and a newly claimed expert starts with zero moments."""
+    old_ids, new_ids = sorted(old_experts), sorted(new_experts)
+    out = {}
+    for key, value in flat.items():
+        name, _, slot = key.rpartition("/")
+        if name.endswith("_local") and slot in ("exp_avg", "exp_avg_sq"):
+            rows = torch.zeros((len(new_ids), *value.shape[1:]), dtype=value.dtype, device=value.device)
+            for i, e in enumerate(new_ids):
+                if e in old_ids:
+                    rows[i] = value[old_ids.index(e)]
+            value = rows
+        out[key] = value
+    return out

@@ -34,6 +34,13 @@ class SyncHook(Protocol):
         """Training is over: complete a last round synchronously (so replicas agree) and return records."""
         ...
 
+    def wanted_experts(self) -> list[int] | None:
+        """The experts the swarm wants this peer to train instead of its current ones (an orphan
+        re-claim), or None. The trainer then switches and calls ``experts_changed``."""
+        ...
+
+    def experts_changed(self, model: torch.nn.Module) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -45,6 +52,12 @@ class NoSync:
 
     def finish(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
         return []
+
+    def wanted_experts(self) -> list[int] | None:
+        return None
+
+    def experts_changed(self, model: torch.nn.Module) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -35,7 +35,12 @@ from swarm.data.manifest import file_sha256
 from swarm.model import MoETransformer, check_backend
 from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from swarm.train.metrics_log import MetricsLog
-from swarm.train.optimizer import build_optimizer, load_optimizer_tensors, optimizer_tensors
+from swarm.train.optimizer import (
+    build_optimizer,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    remap_expert_moments,
+)
 from swarm.train.schedule import lr_at
 from swarm.train.sync_hook import NoSync, StepReport, SyncHook
 
@@ -213,6 +218,22 @@ class Trainer:
             rec["skipped"] = True
         return rec
 
+    def switch_experts(self, experts: list[int]) -> None:
+        """Train ``experts`` from now on (an orphan re-claim). A newcomer's weights are our latest copy of
+        it; optimizer moments move with the experts we keep and start at zero for the newcomer."""
+        old_ids, moments = self.model.local_experts, optimizer_tensors(self.model, self.optimizer)
+        self.model.set_local_experts(experts)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+        load_optimizer_tensors(
+            self.model, self.optimizer, remap_expert_moments(moments, old_ids, self.model.local_experts)
+        )
+        self.metrics.write(step=self.step, experts_switched={"from": old_ids, "to": self.model.local_experts})
+        print(
+            f"step {self.step}: now training experts {self.model.local_experts} (was {old_ids})",
+            file=sys.stderr,
+        )
+        self.sync.experts_changed(self.model)
+
     def save(self) -> Path:
         state = {
             "tokens": self.tokens,
@@ -264,6 +285,9 @@ class Trainer:
                 )
                 for round_rec in self.sync.after_step(self.model, report):
                     self.metrics.write(**round_rec)
+                wanted = self.sync.wanted_experts()
+                if wanted is not None and sorted(wanted) != self.model.local_experts:
+                    self.switch_experts(wanted)
                 last = self.step == target
                 do_eval = self.step % t.eval_every == 0 or last
                 if do_eval or self.step % t.log_every == 0 or last:
