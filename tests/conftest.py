@@ -113,3 +113,58 @@ def wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> st
         return demo_wait(log, proc, timeout)
     except (RuntimeError, TimeoutError) as e:
         raise RuntimeError(f"{e}: {log.read_text()[-2000:]}") from None
+
+
+# Swarm settings for process tests: rounds every 50 steps, short windows and timeouts.
+SWARM_SETTINGS = [
+    "--set",
+    "experts.per_peer=4",
+    "--set",
+    "sync.sync_every=50",
+    "--set",
+    "sync.matchmaking_s=3",
+    "--set",
+    "sync.round_timeout_s=30",
+    "--set",
+    "sync.heartbeat_s=2",
+]
+
+
+def round_records(run_dir: Path) -> list[dict]:
+    """The per-round records of a peer's metrics.jsonl."""
+    from swarm.train.metrics_log import read_metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return [r for r in read_metrics(path) if "dense_group" in r] if path.exists() else []
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def start_peer(args: list[str], log: Path) -> subprocess.Popen:
+    """A ``swarm-peer`` process in its own process group (it and its hivemind children can be killed at
+    once), stderr appended to ``log``."""
+    with open(log, "a") as fh:
+        return subprocess.Popen(
+            peer_cmd(*args), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True
+        )
+
+
+def reap(procs) -> None:
+    """Kill every process group we started that is still there (by PID)."""
+    import contextlib
+    import signal
+
+    for p in procs:
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)

@@ -11,25 +11,9 @@ import torch
 
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, peer_cmd, run_peer
+from tests.conftest import ROOT, SWARM_SETTINGS, peer_cmd, round_records, run_peer, wait_until
 
 pytestmark = pytest.mark.timeout(300)
-SWARM_SETTINGS = [
-    "--set",
-    "experts.per_peer=4",
-    "--set",
-    "sync.sync_every=50",
-    "--set",
-    "sync.matchmaking_s=3",
-    "--set",
-    "sync.round_timeout_s=30",
-    "--set",
-    "sync.heartbeat_s=2",
-]
-
-
-def _rounds(run_dir):
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "dense_group" in r]
 
 
 def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootstrap_peer):
@@ -70,7 +54,7 @@ def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootst
     assert set().union(*experts) == set(range(8)), experts  # coverage fills before replication
     assert all(len(e) == 4 for e in experts)
 
-    rounds = [_rounds(run) for run in runs]
+    rounds = [round_records(run) for run in runs]
     full = [r for rs in rounds for r in rs if r["dense_group"] == 3 and "dense" in r["applied_groups"]]
     assert full, rounds  # at least one round averaged the dense weights across all three peers
     for rs in rounds:
@@ -145,17 +129,6 @@ def test_peer_with_another_model_is_refused(tiny_config, tmp_path, bootstrap_pee
     assert not (tmp_path / "b" / "checkpoints").exists()
 
 
-def _wait(cond, timeout, what):
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(what)
-
-
 def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_peer):
     import math
 
@@ -185,8 +158,12 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
     survivors, back = [], None
     try:
         # kill peer 2 while a round is under way: right after it started its second round
-        _wait(lambda: (runs[2] / "metrics.jsonl").exists() and len(_rounds(runs[2])) >= 1, 120, "first round")
-        _wait(
+        wait_until(
+            lambda: (runs[2] / "metrics.jsonl").exists() and len(round_records(runs[2])) >= 1,
+            120,
+            "first round",
+        )
+        wait_until(
             lambda: any(r.get("step", 0) >= 100 for r in read_metrics(runs[2] / "metrics.jsonl")),
             60,
             "step 100",
@@ -206,7 +183,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             assert after_kill < 2 * 30 + 120  # nobody stalled on the dead peer (round timeout is 30 s)
             ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
             assert all(torch.isfinite(t).all() for t in ckpt.model.values())
-            rounds = _rounds(run)
+            rounds = round_records(run)
             assert sum(1 for r in rounds if "dense" in r.get("applied_groups", [])) >= 2
             assert all(r["dense_group"] <= 3 for r in rounds)
             assert all(math.isfinite(r["sync_seconds"]) and r["sync_seconds"] <= 30 + 5 for r in rounds)
@@ -217,7 +194,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
         for p in survivors:
             assert p.wait(timeout=180) == 0
-        later = [r for r in _rounds(runs[2]) if r["step"] > killed_step]
+        later = [r for r in round_records(runs[2]) if r["step"] > killed_step]
         assert any("dense" in r["applied_groups"] and r["dense_group"] >= 2 for r in later), later
     finally:
         for p in [

@@ -52,22 +52,23 @@ def agree_on_final_copies(
     meta: dict,
     timeout: float,
     check: Callable[[str, Sequence[torch.Tensor], Sequence[torch.Tensor]], None],
+    window: float = 60.0,
     poll: float = 0.25,
 ) -> tuple[list[str], list[str]]:
-    """Returns (groups whose copy we replaced with the winner's, groups we could not settle and why)."""
+    """Returns (groups whose copy we replaced with the winner's, groups we could not settle and why).
+    Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored."""
     started = get_dht_time()
+
+    def announce(name: str, value: list[float]) -> None:
+        record = {"digest": value, "time": get_dht_time()}
+        dht.store(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, return_future=True)
+
     mine = {}
     for name, g in groups.items():
         local = snapshot(g.tensors)
         g.group.publish(local, meta)  # served before the digest is out: whoever adopts ours gets this copy
         mine[name] = digest(local)
-        dht.store(
-            f"{run_id}_final_{name}",
-            {"digest": mine[name], "time": started},
-            started + 2 * timeout + 30,
-            subkey=me,
-            return_future=True,
-        )
+        announce(name, mine[name])
     seen: dict[str, dict[str, list[float]]] = {name: {me: d} for name, d in mine.items()}
     deadline = time.monotonic() + timeout
     pending = {name for name, g in groups.items() if g.others}
@@ -83,7 +84,7 @@ def agree_on_final_copies(
             for peer, item in value.items():
                 v = getattr(item, "value", None)
                 recent = isinstance(v, dict) and isinstance(v.get("time"), (int, float))
-                if peer in groups[name].others and recent and v["time"] > started - timeout:
+                if peer in groups[name].others and recent and v["time"] > started - window:
                     if isinstance(v.get("digest"), list) and len(v["digest"]) == len(mine[name]):
                         seen[name][peer] = v["digest"]
             if groups[name].others <= set(seen[name]):
@@ -107,5 +108,6 @@ def agree_on_final_copies(
             continue
         overwrite(g.tensors, tensors)
         g.group.publish(tensors, meta)
+        announce(name, digest(tensors))  # a peer that arrives later sees the copy we hold now
         adopted.append(name)
     return adopted, unsettled

@@ -38,6 +38,8 @@ class Heartbeat:
     state: str = "joining"  # joining | training | finishing (in its last round) | done | leaving
     rounds_ok: int = 0
     rounds_failed: int = 0
+    period_s: float = 0.0  # how often this peer publishes (readers call it stale after two missed periods)
+    sent_at: float | None = None  # DHT time of publication, set by publish_heartbeat
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_value(self) -> dict[str, Any]:
@@ -85,9 +87,9 @@ def check_or_publish_fingerprint(
 def publish_heartbeat(
     dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 10.0
 ) -> bool:
-    fut = dht.store(
-        f"{run_id}_peers", hb.to_value(), get_dht_time() + ttl_s, subkey=peer_id, return_future=True
-    )
+    now = get_dht_time()
+    value = hb.to_value() | {"sent_at": now}
+    fut = dht.store(f"{run_id}_peers", value, now + ttl_s, subkey=peer_id, return_future=True)
     return bool(_result(fut, timeout))
 
 

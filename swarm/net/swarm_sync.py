@@ -88,7 +88,7 @@ class SwarmSync:
             e: AveragingGroup(dht, f"{self.run_id}_expert{e}", expert_tensors(model, e), **kw)
             for e in self.local
         }
-        self.heartbeat = Heartbeat(experts=self.local, state="training")
+        self.heartbeat = Heartbeat(experts=self.local, state="training", period_s=self.sc.heartbeat_s)
         self.traffic = TrafficMeter(dht.pid)
         self.holders: dict[int, set[str]] = {e: set() for e in range(self.n_experts)}
         self.peers: dict[str, Heartbeat] = {}
@@ -150,7 +150,7 @@ class SwarmSync:
         records = []
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
-        if report.step % self.sc.sync_every == 0:
+        if report.step % self.sc.sync_every == 0 and not report.last:  # a last step gets the last round
             if self._in_flight is not None and self._in_flight.is_alive():
                 records.append(
                     {
@@ -245,7 +245,9 @@ class SwarmSync:
 
         meta = {"step": step, "round": self._round_index, "final": True}
         timeout = min(10.0, self.sc.round_timeout_s / 3)
-        return agree_on_final_copies(self.dht, self.run_id, self.me, groups, meta, timeout, check)
+        # peers reach this point up to a round timeout apart (a late one may still have been in a round)
+        window = self.sc.round_timeout_s + self.sc.matchmaking_s + 2 * timeout
+        return agree_on_final_copies(self.dht, self.run_id, self.me, groups, meta, timeout, check, window)
 
     def _set_state(self, state: str) -> None:
         with self._hb_lock:
@@ -257,9 +259,9 @@ class SwarmSync:
 
     def _linger(self) -> None:
         """Keep serving our experts until the other live peers have finished their last round too (they may
-        still be downloading from us), at most half a round timeout."""
+        still be downloading from us, or settling their replicas), at most a round timeout."""
         self._set_state("done")
-        deadline = time.monotonic() + self.sc.round_timeout_s / 2
+        deadline = time.monotonic() + self.sc.round_timeout_s
         while time.monotonic() < deadline:
             beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
             if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):

@@ -22,6 +22,7 @@ class StepReport:
     step_tokens: int  # tokens in this step
     expert_tokens: torch.Tensor  # [E] token copies routed to each expert in this step, all layers
     loss: float
+    last: bool = False  # the trainer stops after this step (its step or time limit is reached)
 
 
 class SyncHook(Protocol):

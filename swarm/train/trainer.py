@@ -280,8 +280,14 @@ class Trainer:
                     break
                 rec = self.train_step()
                 window_tok += self._step_tokens()
+                out_of_time = stop_at is not None and time.monotonic() >= stop_at
                 report = StepReport(
-                    self.step, self.tokens, self._step_tokens(), rec.pop("expert_tokens"), rec["loss"]
+                    self.step,
+                    self.tokens,
+                    self._step_tokens(),
+                    rec.pop("expert_tokens"),
+                    rec["loss"],
+                    last=self.step == target or out_of_time,
                 )
                 for round_rec in self.sync.after_step(self.model, report):
                     self.metrics.write(**round_rec)
