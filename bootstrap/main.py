@@ -1,10 +1,13 @@
 """``swarm-bootstrap``: a long-lived DHT node that new peers join through. It trains nothing.
 
     swarm-bootstrap [--host 127.0.0.1] [--port 31337] [--identity bootstrap.id] [--config configs/demo.yaml]
+                    [--dashboard-port 8080 [--dashboard-host 127.0.0.1]]
 
 It prints its multiaddrs and the exact ``swarm-peer`` command to join, then serves until Ctrl+C or SIGTERM,
 when it shuts its DHT node down cleanly. With ``--identity`` its peer id (and so its address) survives
 restarts. It listens on 127.0.0.1 unless told otherwise; NAT traversal and relays only with ``--use-nat``.
+With ``--dashboard-port`` it also serves the swarm's dashboard (``swarm-dashboard``'s page, ``/api/state``
+and ``/metrics``) for the run of ``--config``, read through its own DHT node.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import shlex
 import signal
 import sys
 import threading
+from http.server import ThreadingHTTPServer
 
-from swarm.net.dht_node import DHTStartError, start_dht, visible_maddrs
+from swarm.config import ConfigError
+from swarm.dashboard.server import Dashboard, bind
+from swarm.dashboard.swarm_view import ViewConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,8 +32,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--identity", default=None, metavar="FILE", help="private key file: a stable peer id")
     ap.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers")
     ap.add_argument("--use-nat", action="store_true", help="enable UPnP, AutoNAT and relays (off by default)")
-    ap.add_argument("--config", default="configs/demo.yaml", help="config named in the printed join command")
+    ap.add_argument(
+        "--config", default="configs/demo.yaml", help="config named in the join command; the dashboard's run"
+    )
+    ap.add_argument(
+        "--dashboard-port", type=int, default=0, metavar="N", help="serve the dashboard on port N (0: off)"
+    )
+    ap.add_argument(
+        "--dashboard-host", default="127.0.0.1", help="address of the dashboard (default loopback)"
+    )
     return ap.parse_args(argv)
+
+
+def _bind_dashboard(args: argparse.Namespace) -> tuple[ViewConfig, ThreadingHTTPServer]:
+    if not 0 < args.dashboard_port <= 65535:
+        raise ValueError("--dashboard-port must be in [1, 65535] (0: no dashboard)")
+    return ViewConfig.from_config_file(args.config), bind(args.dashboard_host, args.dashboard_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print("error: --port must be in [0, 65535]", file=sys.stderr)
         return 2
+    view_cfg, http = None, None
+    if args.dashboard_port:
+        try:  # before the DHT: bad input fails fast, with nothing to shut down
+            view_cfg, http = _bind_dashboard(args)
+        except (ConfigError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    from swarm.net.dht_node import DHTStartError, start_dht, visible_maddrs  # hivemind: seconds to import
+
     try:
         dht = start_dht(
             args.initial_peers,
@@ -45,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             announce_host=args.announce_host,
         )
     except DHTStartError as e:
+        if http is not None:
+            http.server_close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    dashboard = Dashboard.start(dht, view_cfg, server=http) if view_cfg is not None else None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -56,13 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {m}")
     join = ["swarm-peer", "--config", args.config, "--initial-peers", *maddrs, "--run-dir", "runs/peer1"]
     print("join the swarm with:")
-    print("  " + shlex.join(join), flush=True)
+    print("  " + shlex.join(join))
+    if dashboard is not None:
+        print(f"dashboard: {dashboard.url} (run {view_cfg.run_id})")
+    sys.stdout.flush()
     try:
         while not stop.wait(1.0):
             if not dht.is_alive():
                 print("error: the DHT process died", file=sys.stderr)
                 return 1
     finally:
+        if dashboard is not None:
+            dashboard.close()
         dht.shutdown()
         dht.join(timeout=10)
     print("bootstrap peer stopped", flush=True)

@@ -2,8 +2,11 @@
 model on the embedded corpus, synchronise, and stop together; then a summary.
 
     swarm-demo [--peers 4] [--minutes 5] [--run-dir runs/swarm-demo] [--config configs/demo.yaml]
+               [--dashboard-port 8080]
 
-Every process is started here, watched, and reaped by PID; their logs are in the run directory.
+The bootstrap peer also serves the dashboard (a live page of the swarm; its URL is printed), on port 8080,
+or on a free port when 8080 is taken; ``--dashboard-port 0`` turns it off. Every process is started here,
+watched, and reaped by PID; their logs are in the run directory.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError, load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DASHBOARD_PORT = 8080
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +37,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides for every peer"
     )
+    ap.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="port of the dashboard (default 8080, or a free port if taken; 0: no dashboard)",
+    )
     return ap.parse_args(argv)
+
+
+def dashboard_port(wanted: int | None) -> int:
+    """The port to give the bootstrap peer: as asked, else 8080 when it is free, else any free port."""
+    if wanted is not None:
+        return wanted
+    for port in (DEFAULT_DASHBOARD_PORT, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port for the dashboard")
 
 
 def _read(path: Path) -> list[dict]:
@@ -210,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 1 or args.minutes <= 0:
         print("error: --peers must be >= 1 and --minutes > 0", file=sys.stderr)
         return 2
+    if args.dashboard_port is not None and not 0 <= args.dashboard_port <= 65535:
+        print("error: --dashboard-port must be in [0, 65535] (0: no dashboard)", file=sys.stderr)
+        return 2
+    board_port = dashboard_port(args.dashboard_port)
     run = Path(args.run_dir)
     if run.exists() and any(run.iterdir()):
         print(f"error: {run} is not empty; choose another --run-dir or remove it", file=sys.stderr)
@@ -224,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         env=env,
         check=True,
     )
+    effective = run / "config.yaml"  # with the --set overrides: the dashboard watches this run id
+    save_config(cfg, effective)
     boot_log = open(run / "bootstrap.log", "w")
     boot = subprocess.Popen(
-        [py, "-m", "bootstrap.main", "--config", args.config],
+        [py, "-m", "bootstrap.main", "--config", str(effective), "--dashboard-port", str(board_port)],
         cwd=ROOT,
         env=env,
         stdout=boot_log,
@@ -237,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         maddr = wait_for_maddr(run / "bootstrap.log", boot)
         print(f"bootstrap peer: {maddr}")
+        if board_port:
+            print(f"dashboard: {dashboard_url(run / 'bootstrap.log')} (open it in a browser)", flush=True)
         t0 = time.monotonic()
         threads = max(1, (os.cpu_count() or 1) // args.peers)
         # one wall time for all: the peers stop together and meet for their last round
@@ -301,6 +335,14 @@ def wait_for_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> st
             raise RuntimeError(f"the bootstrap peer exited ({proc.returncode}); see {log}")
         time.sleep(0.2)
     raise TimeoutError("the bootstrap peer did not start in time")
+
+
+def dashboard_url(log: Path) -> str:
+    """The dashboard URL the bootstrap peer prints (with its addresses, so it is there already)."""
+    for line in log.read_text().splitlines():
+        if line.startswith("dashboard: "):
+            return line.split()[1]
+    return "not started (see bootstrap.log)"
 
 
 def _wait_formed(

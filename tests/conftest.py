@@ -168,3 +168,27 @@ def reap(procs) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
+
+
+def p2p_sockets() -> set[Path]:
+    return set(Path("/tmp").glob("hivemind-p2p*.sock"))
+
+
+def remove_stale_p2p_sockets(before: set[Path]) -> int:
+    """A killed p2p daemon leaves its unix socket in /tmp (NOTES.md). Remove those that appeared since
+    ``before`` and that nobody listens on any more; returns how many."""
+    import socket
+
+    removed = 0
+    for path in p2p_sockets() - before:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return removed

@@ -8,7 +8,7 @@ import torch
 
 from swarm.net.averaging import AveragingGroup, download_state
 from swarm.net.dht_node import start_dht, visible_maddrs
-from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats
+from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import confirm_round, digest, digests_agree
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,5 +110,8 @@ def test_heartbeats_round_trip_and_ignore_malformed_records():
         assert set(beats) == {"peerA"}
         hb, _ = beats["peerA"]
         assert hb.experts == [1, 2] and hb.step == 5 and hb.loss is None
+        # leaving takes effect at once (a shorter-lived record would be ignored by hivemind)
+        withdraw_heartbeat(dht, "t_run", "peerA", hb, ttl_s=30)
+        assert read_heartbeats(dht, "t_run") == {}
     finally:
         dht.shutdown()

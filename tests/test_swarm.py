@@ -11,7 +11,16 @@ import torch
 
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, SWARM_SETTINGS, peer_cmd, round_records, run_peer, wait_until
+from tests.conftest import (
+    ROOT,
+    SWARM_SETTINGS,
+    p2p_sockets,
+    peer_cmd,
+    remove_stale_p2p_sockets,
+    round_records,
+    run_peer,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,6 +141,7 @@ def test_peer_with_another_model_is_refused(tiny_config, tmp_path, bootstrap_pee
 def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_peer):
     import math
 
+    sockets_before = p2p_sockets()
     runs = [tmp_path / f"p{i}" for i in range(3)]
     args = [
         "--config",
@@ -204,3 +214,4 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         ]:  # reap every process group we started, by PID
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+        remove_stale_p2p_sockets(sockets_before)  # the killed peer's daemon could not remove its own

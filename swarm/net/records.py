@@ -94,13 +94,14 @@ def publish_heartbeat(
 
 
 def withdraw_heartbeat(
-    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, timeout: float = 5.0
+    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 5.0
 ) -> None:
-    """Replace our record with one that expires at once (hivemind has no delete)."""
+    """Replace our record with a ``leaving`` one, which readers skip (hivemind has no delete). It must
+    outlive the record it replaces (``ttl_s`` as published): hivemind ignores a store that expires sooner."""
     hb.state = "leaving"
-    fut = dht.store(
-        f"{run_id}_peers", hb.to_value(), get_dht_time() + 0.5, subkey=peer_id, return_future=True
-    )
+    now = get_dht_time()
+    value = hb.to_value() | {"sent_at": now}
+    fut = dht.store(f"{run_id}_peers", value, now + ttl_s + 1, subkey=peer_id, return_future=True)
     _result(fut, timeout)
 
 

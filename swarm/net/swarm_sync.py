@@ -124,6 +124,9 @@ class SwarmSync:
                     self._orphaned.setdefault(e, now)
 
     def _heartbeat_loop(self) -> None:
+        # a fixed cadence, not "period after the last store and read": readers call a peer stale after two
+        # missed periods, and a loaded machine's DHT calls would otherwise stretch every period
+        tick = time.monotonic()
         while not self._stop.is_set():
             with self._hb_lock:
                 hb = Heartbeat(**vars(self.heartbeat))
@@ -131,7 +134,8 @@ class SwarmSync:
                 self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
             )
             self.refresh_peers()
-            self._stop.wait(self.sc.heartbeat_s)
+            tick = max(tick + self.sc.heartbeat_s, time.monotonic() - self.sc.heartbeat_s)
+            self._stop.wait(max(0.0, tick - time.monotonic()))
 
     # -- the hook -----------------------------------------------------------------------------------------
     def after_step(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
@@ -491,6 +495,7 @@ class SwarmSync:
             self._in_flight.join(timeout=self.sc.round_timeout_s)
         with self._hb_lock:
             hb = Heartbeat(**vars(self.heartbeat))
-        withdraw_heartbeat(self.dht, self.run_id, self.me, hb)
+        self._hb_thread.join(timeout=2 * self.sc.heartbeat_s)  # no heartbeat may land after the withdrawal
+        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s)
         for g in [self.dense_group, *self.expert_groups.values()]:
             g.shutdown()
