@@ -1,5 +1,5 @@
 """Peers that come, go and differ, with real processes on 127.0.0.1: a late joiner catches up, an orphaned
-expert is re-claimed, and a slow peer and a fast one both keep training."""
+expert is re-claimed while a slow peer and a fast one both keep training."""
 
 import math
 import signal
@@ -69,19 +69,25 @@ def test_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
         reap([*procs, late])
 
 
-def test_orphaned_experts_are_reclaimed(tiny_config, tmp_path, bootstrap_peer):
+def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp_path, bootstrap_peer):
+    """Peer 1 alone holds experts 4-7 and leaves; peers 0 and 2 both hold 0-3, so exactly one of them takes
+    an orphan. Peer 2 does six times the work per step: neither waits for the other."""
     runs = [tmp_path / f"p{i}" for i in range(3)]
-    own = {0: "[0,1,2,3]", 1: "[4,5,6,7]", 2: "[0,1,2,3]"}  # experts 4-7 live only on peer 1
+    own = {0: "[0,1,2,3]", 1: "[4,5,6,7]", 2: "[0,1,2,3]"}
 
-    def start(i, minutes):
-        extra = ["--set", "experts.per_peer=null", "--set", f"experts.local={own[i]}"]
-        extra += ["--set", "sync.orphan_grace_s=4", "--max-minutes", str(minutes)]
+    def start(i, *extra):
+        extra = ["--set", "experts.per_peer=null", "--set", f"experts.local={own[i]}", *extra]
+        extra += ["--set", "sync.orphan_grace_s=4"]
         return start_peer(_args(tiny_config, bootstrap_peer, runs[i], *extra), tmp_path / f"p{i}.err")
 
-    procs = [start(1, 2.0)]
+    procs = [start(1, "--max-minutes", "2")]
     try:
         wait_until(lambda: len(_steps(runs[1])) > 0, 90, "peer 1 training")  # its experts are in the DHT
-        procs += [start(0, 0.6), start(2, 0.6)]
+        stop_at = str(time.time() + 40)  # peers 0 and 2 meet for a last round at the same time
+        procs += [
+            start(0, "--stop-at", stop_at),
+            start(2, "--stop-at", stop_at, "--set", "train.grad_accum=6"),
+        ]
         wait_until(lambda: all(len(round_records(r)) >= 1 for r in runs), 150, "a round on every peer")
         procs[0].send_signal(signal.SIGTERM)  # peer 1 leaves: experts 4-7 have no holder any more
         left = time.time()
@@ -95,39 +101,21 @@ def test_orphaned_experts_are_reclaimed(tiny_config, tmp_path, bootstrap_peer):
         (i, [event]) = next((i, s) for i, s in switches.items() if s)
         old, new = event["experts_switched"]["from"], event["experts_switched"]["to"]
         assert old == [0, 1, 2, 3] and len(set(new) - set(old)) == 1 and set(new) - set(old) <= {4, 5, 6, 7}
-        ckpt = load_checkpoint(latest_checkpoint(runs[i] / "checkpoints"))
-        assert ckpt.state["local_experts"] == new
-        assert all(torch.isfinite(t).all() for t in ckpt.model.values())
+        ckpts = {j: load_checkpoint(latest_checkpoint(runs[j] / "checkpoints")) for j in (0, 2)}
+        assert ckpts[i].state["local_experts"] == new
+        assert all(torch.isfinite(t).all() for c in ckpts.values() for t in c.model.values())
         # it took the orphan after the grace period, and trained it afterwards
         after = [r for r in _steps(runs[i]) if r["step"] > event["step"]]
-        assert len(after) > 20 and all(math.isfinite(r["loss"]) for r in after)
+        assert len(after) > 5 and all(math.isfinite(r["loss"]) for r in after)
         assert time.time() - left > 4
-    finally:
-        reap(procs)
-
-
-def test_slow_and_fast_peers_both_keep_training(tiny_config, tmp_path, bootstrap_peer):
-    runs = [tmp_path / "fast", tmp_path / "slow"]
-    stop_at = time.time() + 30
-    common = ["--max-minutes", "5", "--stop-at", str(stop_at)]
-    procs = [
-        start_peer(_args(tiny_config, bootstrap_peer, runs[0], *common), tmp_path / "fast.err"),
-        start_peer(
-            _args(tiny_config, bootstrap_peer, runs[1], *common, "--set", "train.grad_accum=6"),
-            tmp_path / "slow.err",
-        ),
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=240) == 0
-        fast, slow = (_steps(r)[-1]["step"] for r in runs)
-        assert fast > 2 * slow > 0, (fast, slow)  # neither waited for the other
-        for run in runs:
-            rounds = round_records(run)
+        # the fast peer did not wait for the slow one, and both met for the last round
+        fast, slow = (_steps(runs[j])[-1]["step"] for j in (0, 2))
+        assert fast > 2 * slow > 0, (fast, slow)
+        for j in (0, 2):
+            rounds = round_records(runs[j])
             assert all(r["sync_seconds"] <= 30 + 5 for r in rounds if not r.get("final"))
-            assert rounds[-1].get("final") and rounds[-1]["dense_group"] == 2  # they meet at the end
-            assert "dense" in rounds[-1]["applied_groups"]
-        a, b = (load_checkpoint(latest_checkpoint(r / "checkpoints")).model for r in runs)
+            assert rounds[-1].get("final") and rounds[-1]["dense_group"] == 2, rounds[-1]
+        a, b = ckpts[0].model, ckpts[2].model
         for k in a:
             if ".experts." not in k:
                 assert torch.allclose(a[k], b[k], atol=1e-5), k
