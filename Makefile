@@ -12,7 +12,7 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH)"
 	@mkdir -p build
 	@$(PYTHON) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > build/constraints.txt
-	$(PYTHON) -m pip install -q -c build/constraints.txt -e ".[dev]"
+	$(PYTHON) -m pip install -q -c build/constraints.txt -e ".[dev,eval]"
 
 demo: install
 	rm -rf $(RUN_DIR)

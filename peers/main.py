@@ -21,6 +21,7 @@ from pathlib import Path
 
 from swarm.config import ConfigError, RunConfig, load_config
 from swarm.data import DataError
+from swarm.hf.init_from import apply_init_weights, load_init_weights
 from swarm.model import BackendUnavailable
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
@@ -52,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
     ap.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start a fresh run from these weights: a HF model dir (swarm-export) or a swarm checkpoint "
+        "(swarm-upcycle); its model must match the config",
+    )
+    ap.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
     )
     ap.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
@@ -70,7 +78,7 @@ def _terminate(signum, frame):  # SIGTERM behaves like Ctrl+C: checkpoint, then 
     raise KeyboardInterrupt
 
 
-def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
+def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
     from swarm.net.dht_node import start_dht
     from swarm.net.records import (
@@ -93,7 +101,9 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
     # announce that we are joining, give simultaneous joiners a heartbeat to appear, then claim in turn
     hb_s = cfg.sync.heartbeat_s
-    publish_heartbeat(dht, cfg.run_id, me, Heartbeat(experts=[], state="joining"), ttl_s=3 * hb_s)
+    publish_heartbeat(
+        dht, cfg.run_id, me, Heartbeat(experts=[], state="joining", period_s=hb_s), ttl_s=3 * hb_s
+    )
     time.sleep(cfg.sync.join_settle_s)
     beats = read_heartbeats(dht, cfg.run_id)
     local = None
@@ -106,6 +116,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer):
         )
         local = claims[me]
     trainer.setup(resume=args.resume, local_experts=local)
+    apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
     peers = {p: hb for p, (hb, _) in beats.items() if p != me}
     if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
         catch_up(dht, cfg.run_id, trainer.model, peers, timeout=cfg.sync.download_timeout_s)
@@ -133,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         if pick_device(cfg.train.device).type == "cpu":
             keep_freed_memory()
         trainer = Trainer(cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress)
+        # read and check --init-from before set-up writes anything to the run dir
+        init_state = (
+            load_init_weights(args.init_from, cfg, args.run_dir, args.resume) if args.init_from else None
+        )
         if args.solo:
             trainer.setup(resume=args.resume)
+            apply_init_weights(trainer, init_state, args.init_from)
         else:
-            dht = _join_swarm(cfg, args, trainer)
+            dht = _join_swarm(cfg, args, trainer, init_state)
         limits = [60 * args.max_minutes] if args.max_minutes is not None else []
         if args.stop_at is not None:
             limits.append(args.stop_at - time.time())

@@ -53,6 +53,9 @@ class ModelConfig:
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     moe_backend: Literal["grouped_mm", "megablocks"] = "grouped_mm"
+    # RMSNorm on queries and keys: "full" over the whole projection (OLMoE), "per_head" over each head
+    # (Qwen3), "none" (Llama, Mixtral). The last two exist for models upcycled from dense checkpoints.
+    qk_norm: Literal["full", "per_head", "none"] = "full"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "expert_hidden", "top_k"):
@@ -241,7 +244,10 @@ class RunConfig:
 
     def fingerprint(self) -> str:
         """Hash of what must match across peers of one run: the model shape and the run id."""
-        blob = json.dumps({"run_id": self.run_id, "model": dataclasses.asdict(self.model)}, sort_keys=True)
+        model = dataclasses.asdict(self.model)
+        if model["qk_norm"] == "full":  # added later: the default leaves fingerprints of older runs unchanged
+            del model["qk_norm"]
+        blob = json.dumps({"run_id": self.run_id, "model": model}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

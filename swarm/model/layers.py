@@ -53,24 +53,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal self-attention with q/k RMSNorm over the whole projection (OLMoE), RoPE and optional GQA."""
+    """Causal self-attention with q/k RMSNorm, RoPE and optional GQA.
+
+    ``cfg.qk_norm`` picks the q/k norm: over the whole projection (OLMoE, the default), over each head
+    (Qwen3) or none (Llama); the last two let a model upcycled from such a dense checkpoint compute exactly
+    what the dense model did.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qk_norm = cfg.qk_norm
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "per_head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
