@@ -83,12 +83,13 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
     procs = [start(1, "--max-minutes", "2")]
     try:
         wait_until(lambda: len(_steps(runs[1])) > 0, 90, "peer 1 training")  # its experts are in the DHT
-        stop_at = str(time.time() + 40)  # peers 0 and 2 meet for a last round at the same time
+        stop_at = str(time.time() + 45)  # peers 0 and 2 meet for a last round at the same time
         procs += [
             start(0, "--stop-at", stop_at),
             start(2, "--stop-at", stop_at, "--set", "train.grad_accum=6"),
         ]
-        wait_until(lambda: all(len(round_records(r)) >= 1 for r in runs), 150, "a round on every peer")
+        wait_until(lambda: all(len(_steps(r)) > 0 for r in runs), 90, "every peer training")
+        time.sleep(4)  # two heartbeat periods: every peer has seen the others' experts
         procs[0].send_signal(signal.SIGTERM)  # peer 1 leaves: experts 4-7 have no holder any more
         left = time.time()
         assert procs[0].wait(timeout=60) == 130  # interrupted: checkpoint written, heartbeat withdrawn

@@ -103,6 +103,7 @@ class SwarmSync:
         self._in_flight: threading.Thread | None = None
         self._stop = threading.Event()
         self._hb_lock = threading.Lock()
+        self._retired: list[AveragingGroup] = []  # groups of experts given up, shut down between rounds
         self._orphaned: dict[int, float] = {}  # expert -> since when (monotonic) it has had no live holder
         self.refresh_peers()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
@@ -154,6 +155,10 @@ class SwarmSync:
         records = []
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
+        if self._retired and not (self._in_flight is not None and self._in_flight.is_alive()):
+            for group in self._retired:
+                group.shutdown()
+            self._retired.clear()
         if report.step % self.sc.sync_every == 0 and not report.last:  # a last step gets the last round
             if self._in_flight is not None and self._in_flight.is_alive():
                 records.append(
@@ -172,7 +177,7 @@ class SwarmSync:
         """An orphan re-claim (DESIGN: "Joining, claiming, leaving"): when an expert has had no live holder
         for ``orphan_grace_s`` and all our experts have another holder, give up our most replicated expert
         for it. Eligible peers wait their rank (``orphan_claim_rank``) in extra heartbeat periods."""
-        if self._finishing or (self._in_flight is not None and self._in_flight.is_alive()):
+        if self._finishing:
             return None
         with self._hb_lock:
             holders = {e: set(who) for e, who in self.holders.items()}
@@ -191,8 +196,8 @@ class SwarmSync:
         """The trainer switched experts: leave the old experts' groups, join the new ones, tell the swarm."""
         new = list(model.local_experts)
         gone, came = sorted(set(self.local) - set(new)), sorted(set(new) - set(self.local))
-        for e in gone:
-            self.expert_groups.pop(e).shutdown()
+        for e in gone:  # a round in flight may still use the group: it is shut down after that round
+            self._retired.append(self.expert_groups.pop(e))
             self.outer.buffers = {
                 k: v for k, v in self.outer.buffers.items() if not k.startswith(f"expert{e}.")
             }
@@ -279,12 +284,13 @@ class SwarmSync:
         frozen = {e: snapshot(expert_tensors(model, e)) for e in range(self.n_experts) if e not in self.local}
         weights = {"dense": float(self._tokens)} | {e: float(self._expert_tokens[e]) for e in self.local}
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
-        args = (self._round_index, step, dense, experts, frozen, weights, scheduled)
+        groups = dict(self.expert_groups)  # as of now: an expert switch during the round changes the dict
+        args = (self._round_index, step, dense, experts, frozen, weights, groups, scheduled)
         self._in_flight = threading.Thread(target=self._run_round, args=args, name="swarm-round", daemon=True)
         self._in_flight.start()
 
     # -- a round (background thread) ---------------------------------------------------------------------
-    def _run_round(self, index, step, dense, experts, frozen, weights, scheduled=None) -> None:
+    def _run_round(self, index, step, dense, experts, frozen, weights, groups, scheduled=None) -> None:
         t0 = time.monotonic()
         if scheduled is not None:
             # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
@@ -311,18 +317,16 @@ class SwarmSync:
             mm,
             scheduled,
         )
-        for e in self.local:
+        for e in experts:
             if self.holders.get(e, set()) - {self.me}:
                 w = clamp_weight(weights[e], max_w)
-                controls[e] = self.expert_groups[e].start(
-                    experts[e], max(w, 1.0), info | {"weight": w}, mm, scheduled
-                )
+                controls[e] = groups[e].start(experts[e], max(w, 1.0), info | {"weight": w}, mm, scheduled)
             else:  # sole holder: nothing to average, but serve our copy to downloaders
-                self.expert_groups[e].publish(experts[e], info)
+                groups[e].publish(experts[e], info)
                 rec["expert_groups"][str(e)] = 1
         sent = 0
         for name, control in controls.items():
-            group = self.dense_group if name == "dense" else self.expert_groups[name]
+            group = self.dense_group if name == "dense" else groups[name]
             local = dense if name == "dense" else experts[name]
             avg, size = self._finish(group, control, local, deadline, max_w, rec, name, info)
             if avg is None:  # keep serving a consistent copy (our snapshot) to peers that download it
@@ -393,6 +397,7 @@ class SwarmSync:
     def _fresh_state(self, peer: str, e: int, step: int, final: bool, deadline: float):
         """Expert e as served by ``peer``, waiting (until the deadline) while the holder is still finishing
         the same round: its result is the copy worth having. A holder behind us is taken as it is."""
+        empty_answers = 0
         while True:
             left = deadline - time.monotonic()
             if left <= 0.5:
@@ -400,10 +405,19 @@ class SwarmSync:
             got = download_state(
                 self.dht, peer, f"{self.run_id}_expert{e}", timeout=min(left, self.sc.download_timeout_s)
             )
-            if got is None or not isinstance(got[0], dict) or not isinstance(got[0].get("step"), int):
-                why = "no answer" if got is None else f"no finished round (meta {str(got[0])[:60]})"
-                self._download_failures.append(f"expert{e} from {peer[-8:]}: {why}")
+            if got is None:
+                self._download_failures.append(f"expert{e} from {peer[-8:]}: no answer")
                 return None
+            if not isinstance(got[0], dict) or not isinstance(got[0].get("step"), int):
+                # an averager answers with nothing while it is not sharing state yet: ask again shortly
+                # (for a last round until the deadline: that copy is the one every peer must end with)
+                empty_answers += 1
+                if empty_answers >= 5 and not final:
+                    why = f"no finished round (meta {str(got[0])[:60]})"
+                    self._download_failures.append(f"expert{e} from {peer[-8:]}: {why}")
+                    return None
+                time.sleep(0.5)
+                continue
             fresh = bool(got[0].get("final")) if final else got[0]["step"] >= step
             behind = self.peers.get(peer, Heartbeat([])).step < step
             if fresh or behind:
@@ -435,20 +449,21 @@ class SwarmSync:
 
     def _merge(self, result: RoundResult, experts, frozen, step: int, index: int) -> None:
         sc = self.sc
-        if not self.local or not should_merge(step, index, sc.merge_warmup_steps, sc.merge_every):
+        local = sorted(experts)  # this round's local experts (a switch may have happened since)
+        if not local or not should_merge(step, index, sc.merge_warmup_steps, sc.merge_every):
             return
         alpha = merge_alpha_at(step, sc.merge_alpha, sc.merge_warmup_steps)
-        fresh = {e: (result.experts[e][1] if e in result.experts else experts[e]) for e in self.local}
+        fresh = {e: (result.experts[e][1] if e in result.experts else experts[e]) for e in local}
         fresh |= {e: result.downloads.get(e, frozen[e]) for e in frozen}
         layers = [per_layer(fresh[e]) for e in range(self.n_experts)]
-        merged: dict[int, list[torch.Tensor]] = {e: [] for e in self.local}
+        merged: dict[int, list[torch.Tensor]] = {e: [] for e in local}
         for li in range(len(layers[0])):
             gu = torch.stack([layers[e][li][0] for e in range(self.n_experts)])
             dn = torch.stack([layers[e][li][1] for e in range(self.n_experts)])
-            mgu, mdn = merge_experts(gu, dn, self.local, alpha, sc.merge_topk)
-            for row, e in enumerate(self.local):
+            mgu, mdn = merge_experts(gu, dn, local, alpha, sc.merge_topk)
+            for row, e in enumerate(local):
                 merged[e] += [mgu[row], mdn[row]]
-        for e in self.local:
+        for e in local:
             result.experts[e] = (experts[e], merged[e])
         result.record["merge_alpha"] = alpha
 
@@ -491,11 +506,11 @@ class SwarmSync:
     # -- leaving ------------------------------------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()
-        if self._in_flight is not None:
-            self._in_flight.join(timeout=self.sc.round_timeout_s)
+        self._hb_thread.join(timeout=2 * self.sc.heartbeat_s)  # no heartbeat may land after the withdrawal
         with self._hb_lock:
             hb = Heartbeat(**vars(self.heartbeat))
-        self._hb_thread.join(timeout=2 * self.sc.heartbeat_s)  # no heartbeat may land after the withdrawal
-        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s)
-        for g in [self.dense_group, *self.expert_groups.values()]:
+        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s)  # at once
+        if self._in_flight is not None:
+            self._in_flight.join(timeout=self.sc.round_timeout_s)
+        for g in [self.dense_group, *self.expert_groups.values(), *self._retired]:
             g.shutdown()
