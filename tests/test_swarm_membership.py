@@ -115,10 +115,14 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
         for j in (0, 2):
             rounds = round_records(runs[j])
             assert all(r["sync_seconds"] <= 30 + 5 for r in rounds if not r.get("final"))
-            assert rounds[-1].get("final") and rounds[-1]["dense_group"] == 2, rounds[-1]
+            assert rounds[-1].get("final") and rounds[-1]["final_unsettled"] == [], rounds[-1]
+        # they end with the same dense weights: averaged together, or (where the last round failed on one
+        # side) one adopted the other's copy in the final agreement, fp16 on the wire
+        adopted = any("dense" in round_records(runs[j])[-1]["final_adopted"] for j in (0, 2))
         a, b = ckpts[0].model, ckpts[2].model
         for k in a:
             if ".experts." not in k:
-                assert torch.allclose(a[k], b[k], atol=1e-5), k
+                tol = 2e-3 * b[k].abs().max().item() if adopted else 1e-5
+                assert torch.allclose(a[k], b[k], atol=tol, rtol=0), k
     finally:
         reap(procs)

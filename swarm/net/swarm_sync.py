@@ -103,6 +103,7 @@ class SwarmSync:
         self._in_flight: threading.Thread | None = None
         self._stop = threading.Event()
         self._hb_lock = threading.Lock()
+        self._claimed: list[int] | None = None  # an orphan claim published but not yet switched to
         self._retired: list[AveragingGroup] = []  # groups of experts given up, shut down between rounds
         self._orphaned: dict[int, float] = {}  # expert -> since when (monotonic) it has had no live holder
         self.refresh_peers()
@@ -135,6 +136,7 @@ class SwarmSync:
                 self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
             )
             self.refresh_peers()
+            self._maybe_claim()
             tick = max(tick + self.sc.heartbeat_s, time.monotonic() - self.sc.heartbeat_s)
             self._stop.wait(max(0.0, tick - time.monotonic()))
 
@@ -169,28 +171,53 @@ class SwarmSync:
                         "reason": "previous round still in flight",
                     }
                 )
+            elif self._near_last_round():
+                records.append(
+                    {"step": report.step, "applied": False, "reason": "too close to the last round"}
+                )
             else:
                 self._start_round(model, report.step)
         return records
 
+    def _near_last_round(self) -> bool:
+        """Whether an ordinary round started now could still be matchmaking when the last round's window
+        opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
+        if self.final_at is None:
+            return False
+        matchmaking = self.sc.matchmaking_s + self.sc.round_timeout_s / 4  # an ordinary step's time limit
+        return time.time() + matchmaking >= self.final_at - self.sc.matchmaking_s
+
     def wanted_experts(self) -> list[int] | None:
+        """The experts this peer has claimed but not switched to yet (see ``_maybe_claim``), or None."""
+        return self._claimed
+
+    def _maybe_claim(self) -> None:
         """An orphan re-claim (DESIGN: "Joining, claiming, leaving"): when an expert has had no live holder
         for ``orphan_grace_s`` and all our experts have another holder, give up our most replicated expert
-        for it. Eligible peers wait their rank (``orphan_claim_rank``) in extra heartbeat periods."""
-        if self._finishing:
-            return None
+        for it. Eligible peers wait their rank (``orphan_claim_rank``) in extra heartbeat periods, and the
+        claim is published at once from this (heartbeat) thread, so the next in rank sees it in time; the
+        trainer switches at its next step."""
+        if self._finishing or self._claimed is not None:
+            return
         with self._hb_lock:
             holders = {e: set(who) for e, who in self.holders.items()}
             now = time.monotonic()
             ages = {e: now - since for e, since in self._orphaned.items()}
         swap = orphan_swap(self.local, holders, ages, self.sc.orphan_grace_s, self.me)
         if swap is None:
-            return None
+            return
         give, take = swap
         rank = orphan_claim_rank(take, holders, self.me)
         if rank is None or ages[take] < self.sc.orphan_grace_s + 2 * rank * self.sc.heartbeat_s:
-            return None
-        return sorted(set(self.local) - {give} | {take})
+            return
+        claimed = sorted(set(self.local) - {give} | {take})
+        with self._hb_lock:
+            self._claimed = claimed
+            self.heartbeat.experts = list(claimed)
+            hb = Heartbeat(**vars(self.heartbeat))
+        publish_heartbeat(
+            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
+        )
 
     def experts_changed(self, model: MoETransformer) -> None:
         """The trainer switched experts: leave the old experts' groups, join the new ones, tell the swarm."""
@@ -207,6 +234,7 @@ class SwarmSync:
             )
         self.local = new
         with self._hb_lock:
+            self._claimed = None
             self.heartbeat.experts = list(new)
             for e in came:
                 self._orphaned.pop(e, None)
@@ -223,6 +251,8 @@ class SwarmSync:
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
         self._finishing = True
+        with self._hb_lock:  # a claim the trainer did not switch to in time is void: we hold what we hold
+            self._claimed, self.heartbeat.experts = None, list(self.local)
         self._set_state("finishing")
         scheduled = None
         if self.final_at is not None:  # every peer of the run meets at the same moment for the last round
