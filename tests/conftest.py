@@ -130,6 +130,12 @@ SWARM_SETTINGS = [
 ]
 
 
+def swarm_peer_args(config: Path, maddr: str, run: Path, *extra: str, max_steps: int = 100000) -> list[str]:
+    """``swarm-peer`` arguments for a process test: the config, the swarm, a run dir, SWARM_SETTINGS."""
+    args = ["--config", str(config), "--initial-peers", maddr, "--run-dir", str(run)]
+    return [*args, "--max-steps", str(max_steps), *SWARM_SETTINGS, *extra]
+
+
 def round_records(run_dir: Path) -> list[dict]:
     """The per-round records of a peer's metrics.jsonl."""
     from swarm.train.metrics_log import read_metrics

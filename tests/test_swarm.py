@@ -19,6 +19,7 @@ from tests.conftest import (
     remove_stale_p2p_sockets,
     round_records,
     run_peer,
+    swarm_peer_args,
     wait_until,
 )
 
@@ -31,17 +32,7 @@ def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootst
     procs = [
         subprocess.Popen(
             peer_cmd(
-                "--config",
-                str(tiny_config),
-                "--initial-peers",
-                bootstrap_peer,
-                "--run-dir",
-                str(run),
-                "--max-steps",
-                "150",
-                "--stop-at",
-                str(stop_at),
-                *SWARM_SETTINGS,
+                *swarm_peer_args(tiny_config, bootstrap_peer, run, "--stop-at", str(stop_at), max_steps=150)
             ),
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -10,24 +10,9 @@ import torch
 
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import SWARM_SETTINGS, reap, round_records, start_peer, wait_until
+from tests.conftest import reap, round_records, start_peer, swarm_peer_args, wait_until
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _args(tiny_config, bootstrap_peer, run, *extra):
-    return [
-        "--config",
-        str(tiny_config),
-        "--initial-peers",
-        bootstrap_peer,
-        "--run-dir",
-        str(run),
-        "--max-steps",
-        "100000",
-        *SWARM_SETTINGS,
-        *extra,
-    ]
 
 
 def _metrics(run):
@@ -43,7 +28,8 @@ def test_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
     runs = [tmp_path / f"p{i}" for i in range(3)]
     procs = [
         start_peer(
-            _args(tiny_config, bootstrap_peer, runs[i], "--max-minutes", "1.0"), tmp_path / f"p{i}.err"
+            swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--max-minutes", "1.0"),
+            tmp_path / f"p{i}.err",
         )
         for i in range(2)
     ]
@@ -51,7 +37,7 @@ def test_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
     try:
         wait_until(lambda: all(len(round_records(r)) >= 2 for r in runs[:2]), 150, "two rounds on both")
         late = start_peer(
-            _args(tiny_config, bootstrap_peer, runs[2], "--max-minutes", "0.3"), tmp_path / "p2.err"
+            swarm_peer_args(tiny_config, bootstrap_peer, runs[2], "--max-minutes", "0.3"), tmp_path / "p2.err"
         )
         for p in [*procs, late]:
             assert p.wait(timeout=200) == 0
@@ -78,7 +64,9 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
     def start(i, *extra):
         extra = ["--set", "experts.per_peer=null", "--set", f"experts.local={own[i]}", *extra]
         extra += ["--set", "sync.orphan_grace_s=4"]
-        return start_peer(_args(tiny_config, bootstrap_peer, runs[i], *extra), tmp_path / f"p{i}.err")
+        return start_peer(
+            swarm_peer_args(tiny_config, bootstrap_peer, runs[i], *extra), tmp_path / f"p{i}.err"
+        )
 
     procs = [start(1, "--max-minutes", "2")]
     try:

@@ -22,7 +22,7 @@ import torch
 
 from swarm.config import ConfigError, ModelConfig
 from swarm.hf.errors import HFError
-from swarm.model.hf_olmoe import from_olmoe_state_dict, olmoe_config, to_olmoe_state_dict
+from swarm.model.hf_olmoe import from_olmoe_state_dict, hf_common_kwargs, olmoe_config, to_olmoe_state_dict
 
 # Fields that decide what function the weights compute; the rest (init_std, loss coefficients, backend,
 # max_seq_len: RoPE is computed on the fly) may differ between a source of weights and a run.
@@ -48,24 +48,9 @@ def hf_config_for(cfg: ModelConfig, **extra: Any):
     """The HF config of the class that computes what ``cfg`` computes. HFError when none does."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=rope,
-        num_experts_per_tok=cfg.top_k,
-        tie_word_embeddings=cfg.tie_embeddings,
-        router_aux_loss_coef=cfg.lb_loss_coef,
-        initializer_range=cfg.init_std,
-        **extra,
-    )
     if cfg.qk_norm == "full":
         return olmoe_config(cfg, **extra)
+    common = hf_common_kwargs(cfg) | extra
     if cfg.qk_norm == "per_head":
         return Qwen3MoeConfig(
             **common,

@@ -30,26 +30,33 @@ _TOP_RENAMES = {
 }
 
 
-def olmoe_config(cfg: ModelConfig, **extra):
-    """An ``OlmoeConfig`` with the same shape as ``cfg`` (transformers is imported only here)."""
-    from transformers import OlmoeConfig
-
-    return OlmoeConfig(
+def hf_common_kwargs(cfg: ModelConfig) -> dict:
+    """The HF config fields that every MoE class we export to (OLMoE, Qwen3-MoE, Mixtral) names alike."""
+    return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
-        intermediate_size=cfg.expert_hidden,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        num_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
-        norm_topk_prob=cfg.norm_topk_prob,
         tie_word_embeddings=cfg.tie_embeddings,
         router_aux_loss_coef=cfg.lb_loss_coef,
         initializer_range=cfg.init_std,
+    )
+
+
+def olmoe_config(cfg: ModelConfig, **extra):
+    """An ``OlmoeConfig`` with the same shape as ``cfg`` (transformers is imported only here)."""
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        **hf_common_kwargs(cfg),
+        intermediate_size=cfg.expert_hidden,
+        num_experts=cfg.n_experts,
+        norm_topk_prob=cfg.norm_topk_prob,
         **extra,
     )
 

@@ -15,7 +15,6 @@ winner from the same digests, so no further messages are needed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -25,6 +24,7 @@ from hivemind.utils import get_dht_time
 from swarm.net.averaging import AveragingGroup, download_state
 from swarm.net.expert_tensors import overwrite, snapshot
 from swarm.net.round_consensus import digest, digests_agree
+from swarm.sync import RejectedTensor, check_tensors
 
 
 @dataclass
@@ -51,7 +51,7 @@ def agree_on_final_copies(
     groups: dict[str, FinalGroup],
     meta: dict,
     timeout: float,
-    check: Callable[[str, Sequence[torch.Tensor], Sequence[torch.Tensor]], None],
+    max_rel_distance: float,
     window: float = 60.0,
     poll: float = 0.25,
 ) -> tuple[list[str], list[str]]:
@@ -97,13 +97,13 @@ def agree_on_final_copies(
         if best == me or digests_agree(mine[name], seen[name][best]):
             continue
         got = download_state(dht, best, g.group.prefix, timeout=max(1.0, timeout))
-        if got is None or len(got[1]) != len(g.tensors):
+        if got is None:
             unsettled.append(f"{name}: no copy from {best[-8:]}")
             continue
         tensors = [t.float() for t in got[1]]
         try:
-            check(name, tensors, snapshot(g.tensors))
-        except ValueError as e:
+            check_tensors(name, tensors, snapshot(g.tensors), max_rel_distance)
+        except RejectedTensor as e:
             unsettled.append(f"{name}: {e}")
             continue
         overwrite(g.tensors, tensors)

@@ -40,7 +40,7 @@ from swarm.net.traffic import TrafficMeter
 from swarm.sync import (
     OuterStep,
     RejectedTensor,
-    check_tensor,
+    check_tensors,
     clamp_weight,
     merge_alpha_at,
     merge_experts,
@@ -278,15 +278,13 @@ class SwarmSync:
                 self.expert_groups[e], expert_tensors(model, e), ending & holders
             )
 
-        def check(name, got, mine):
-            for i, (g, m) in enumerate(zip(got, mine, strict=True)):
-                check_tensor(f"{name}[{i}]", g, m, self.sc.max_rel_distance)
-
         meta = {"step": step, "round": self._round_index, "final": True}
         timeout = min(10.0, self.sc.round_timeout_s / 3)
         # peers reach this point up to a round timeout apart (a late one may still have been in a round)
         window = self.sc.round_timeout_s + self.sc.matchmaking_s + 2 * timeout
-        return agree_on_final_copies(self.dht, self.run_id, self.me, groups, meta, timeout, check, window)
+        return agree_on_final_copies(
+            self.dht, self.run_id, self.me, groups, meta, timeout, self.sc.max_rel_distance, window
+        )
 
     def _set_state(self, state: str) -> None:
         with self._hb_lock:
@@ -417,8 +415,7 @@ class SwarmSync:
             rec["rejected"].append(f"{name}: {why}")
             return None, size
         try:
-            for i, (got, mine) in enumerate(zip(outcome.tensors, local, strict=True)):
-                check_tensor(f"{name}[{i}]", got, mine, self.sc.max_rel_distance)
+            check_tensors(str(name), outcome.tensors, local, self.sc.max_rel_distance)
         except RejectedTensor as e:
             rec["rejected"].append(str(e))
             return None, size
@@ -467,10 +464,7 @@ class SwarmSync:
                 continue  # holder gone, or it has not finished a round yet
             tensors = [t.float() for t in got[1]]
             try:
-                if len(tensors) != len(mine):
-                    raise RejectedTensor(f"expert{e}: {len(tensors)} tensors, expected {len(mine)}")
-                for i, (t, m) in enumerate(zip(tensors, mine, strict=True)):
-                    check_tensor(f"expert{e}[{i}]", t, m, self.sc.max_rel_distance)
+                check_tensors(f"expert{e}", tensors, mine, self.sc.max_rel_distance)
             except RejectedTensor as err:
                 rec["rejected"].append(str(err))
                 continue

@@ -4,12 +4,13 @@ and the checks every received tensor must pass."""
 from swarm.sync.apply_average import OuterStep
 from swarm.sync.claims import choose_experts, orphan_claim_rank, orphan_swap, settle_joiners
 from swarm.sync.merge import merge_alpha_at, merge_experts, should_merge
-from swarm.sync.tensor_checks import RejectedTensor, check_tensor, clamp_weight
+from swarm.sync.tensor_checks import RejectedTensor, check_tensor, check_tensors, clamp_weight
 
 __all__ = [
     "OuterStep",
     "RejectedTensor",
     "check_tensor",
+    "check_tensors",
     "choose_experts",
     "clamp_weight",
     "merge_alpha_at",

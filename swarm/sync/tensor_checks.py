@@ -28,6 +28,16 @@ def check_tensor(name: str, received: torch.Tensor, local: torch.Tensor, max_rel
         raise RejectedTensor(f"{name}: relative distance {dist / scale:.3g} exceeds {max_rel_distance}")
 
 
+def check_tensors(
+    name: str, received: list[torch.Tensor], local: list[torch.Tensor], max_rel_distance: float
+) -> None:
+    """``check_tensor`` on each of a group's tensors (``name[i]``), after checking that the counts match."""
+    if len(received) != len(local):
+        raise RejectedTensor(f"{name}: {len(received)} tensors, expected {len(local)}")
+    for i, (got, mine) in enumerate(zip(received, local, strict=True)):
+        check_tensor(f"{name}[{i}]", got, mine, max_rel_distance)
+
+
 def clamp_weight(weight: float, max_weight: float) -> float:
     """Round weights are token counts: never negative, never above what one peer can plausibly process."""
     if weight != weight:  # NaN
