@@ -153,6 +153,11 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     autocast_bf16: bool = True  # on CUDA only; CPU runs in fp32
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA, off on CPU
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
+    # the LM head and cross-entropy run over this many tokens at a time, so fp32 logits of the whole batch
+    # never exist (0: one chunk, plain cross-entropy)
+    loss_chunk_tokens: int = 8192
     log_every: int = 10
     eval_every: int = 100
     checkpoint_every: int = 500
@@ -178,6 +183,7 @@ class TrainConfig:
         )
         for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _check(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)")
 
 
 @dataclass

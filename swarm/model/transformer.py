@@ -63,9 +63,13 @@ class MoETransformer(nn.Module):
         cfg: ModelConfig,
         local_experts: list[int] | None = None,
         frozen_dtype: str | torch.dtype = torch.float32,
+        *,
+        loss_chunk_tokens: int = 8192,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk_tokens, self.activation_checkpointing = loss_chunk_tokens, activation_checkpointing
         self.frozen_dtype = _DTYPES[frozen_dtype] if isinstance(frozen_dtype, str) else frozen_dtype
         self.local_experts = sorted(range(cfg.n_experts) if local_experts is None else local_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
