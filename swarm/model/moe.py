@@ -3,8 +3,10 @@
 A peer trains only some experts (SPES). Their weights are ``nn.Parameter``s in the *local* bank; every other
 expert lives in a *frozen* bank of plain buffers (optionally bf16) that autograd never differentiates. Tokens
 are still routed to all experts: the dispatch sorts token copies so that local experts come first, then runs
-one grouped GEMM per bank. The frozen GEMMs therefore compute input gradients only, never weight gradients,
-and no gradient or optimizer memory exists for frozen experts.
+one grouped GEMM over both banks whose weight gradient covers the local rows only
+(``expert_gemm.split_bank_linear``). Frozen experts therefore get input gradients only, never weight
+gradients, and no gradient or optimizer memory exists for them. Nothing in the layer reads a count back to
+the host, so ``torch.compile`` sees it as one graph.
 
 Canonical layout (what checkpoints, export and the swarm see) is the HF OLMoE fused one:
 ``gate_up[e] = cat(gate_e, up_e)`` of shape [2I, H] and ``down[e]`` of shape [H, I].
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.config import ModelConfig
-from swarm.model.expert_gemm import grouped_linear
+from swarm.model.expert_gemm import grouped_linear, split_bank_linear
 
 
 @dataclass
@@ -90,28 +92,38 @@ class ExpertBanks(nn.Module):
         rank = self.rank[top_idx.reshape(-1)]
         order = torch.argsort(rank, stable=True)
         token_of = order // k
-        counts = torch.bincount(rank, minlength=self.n_experts)
-        n_loc = len(self.local_ids)
-        rows_local = int(counts[:n_loc].sum()) if n_loc else 0  # one host sync per layer
+        counts = expert_counts(rank, self.n_experts)
         xs = x[token_of]
-        parts = []
-        if n_loc:
-            parts.append(self._ffn(xs[:rows_local], self.gate_up_local, self.down_local, counts[:n_loc]))
-        if self.frozen_ids:
-            parts.append(self._ffn(xs[rows_local:], self.gate_up_frozen, self.down_frozen, counts[n_loc:]))
-        ys = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.backend == "megablocks" and self.local_ids and self.frozen_ids:
+            ys = self._two_banks(xs, counts)
+        else:
+            gu = self._linear(xs, self.gate_up_local, self.gate_up_frozen, counts)
+            g, u = gu.chunk(2, dim=-1)
+            ys = self._linear(F.silu(g) * u, self.down_local, self.down_frozen, counts)
         ys = ys * top_w.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros(t, self.hidden, device=x.device, dtype=ys.dtype)
         return out.index_add_(0, token_of, ys)
 
-    def _ffn(
-        self, xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        if xs.shape[0] == 0:  # no token reached this bank: keep autograd graph shapes simple
-            return xs.new_zeros(0, self.hidden)
-        gu = grouped_linear(xs, gate_up, counts, self.backend)
-        g, u = gu.chunk(2, dim=-1)
-        return grouped_linear(F.silu(g) * u, down, counts, self.backend)
+    def _linear(self, xs, w_local, w_frozen, counts) -> torch.Tensor:
+        if not self.frozen_ids:
+            return grouped_linear(xs, w_local, counts, self.backend)
+        if not self.local_ids:
+            return grouped_linear(xs, w_frozen, counts, self.backend)
+        return split_bank_linear(xs, w_local, w_frozen, counts)
+
+    def _two_banks(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """megablocks: one GEMM per bank, split at the number of local rows (a host sync per layer)."""
+        n_loc = len(self.local_ids)
+        rows = int(counts[:n_loc].sum())
+        parts = []
+        for xb, gu_w, dn_w, c in (
+            (xs[:rows], self.gate_up_local, self.down_local, counts[:n_loc]),
+            (xs[rows:], self.gate_up_frozen, self.down_frozen, counts[n_loc:]),
+        ):
+            if xb.shape[0]:  # a bank no token reached is skipped
+                g, u = grouped_linear(xb, gu_w, c, self.backend).chunk(2, dim=-1)
+                parts.append(grouped_linear(F.silu(g) * u, dn_w, c, self.backend))
+        return torch.cat(parts)
 
 
 class TopKRouter(nn.Module):
@@ -147,10 +159,19 @@ class MoELayer(nn.Module):
         return out.to(x.dtype).view(b, t, h), RouterStats(logits, top_idx)
 
 
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many entries of ``idx`` name each expert: ``bincount`` with a fixed length, which the compiler
+    can trace (``bincount``'s output size depends on the data)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=idx.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.long)
+    )
+
+
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
     """Switch-style auxiliary loss pooled over all layers, exactly as HF's ``load_balancing_loss_func``:
     E * sum_e f_e * P_e with f_e the fraction of top-k slots and P_e the mean router probability."""
-    counts = sum(torch.bincount(s.top_idx.reshape(-1), minlength=n_experts).float() for s in stats)
+    counts = sum(expert_counts(s.top_idx, n_experts).float() for s in stats)
     probs = sum(s.logits.softmax(dim=-1).sum(dim=0) for s in stats)
     rows = sum(s.logits.shape[0] for s in stats)
     return n_experts * torch.sum((counts / rows) * (probs / rows))
@@ -163,4 +184,4 @@ def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
 
 def routed_token_counts(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, summed over layers (weights of the per-expert swarm average)."""
-    return sum(torch.bincount(s.top_idx.reshape(-1), minlength=n_experts) for s in stats)
+    return sum(expert_counts(s.top_idx, n_experts) for s in stats)

@@ -8,7 +8,10 @@ Usage::
     out.loss.backward()                   # gradients only for dense weights and experts 0-3
 
 ``canonical_state_dict()`` gives every expert in the full [E, ...] layout regardless of the local split;
-checkpoints, export and the swarm exchange that form.
+checkpoints, export and the swarm exchange that form. The embedding and the LM head hold
+``padded_vocab`` rows (a multiple of 128: a vocabulary such as 151665 otherwise runs the head on slow GEMM
+kernels); the padding rows stay zero, their logits are never scored, and every canonical view (checkpoints,
+export, the swarm) shows the true ``vocab_size`` rows.
 """
 
 from __future__ import annotations
@@ -17,19 +20,22 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig
 from swarm.model.layers import Attention, RMSNorm, RotaryEmbedding
+from swarm.model.linear_cross_entropy import linear_cross_entropy
 from swarm.model.moe import MoELayer, load_balancing_loss, routed_token_counts, router_z_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VOCAB_PAD = 128
+_VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors with one row per vocabulary entry
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # [B, T, vocab_size]; None when targets were given (the loss is chunked)
     loss: torch.Tensor | None = None  # lm + lb_coef * lb + z_coef * z
     lm_loss: torch.Tensor | None = None
     lb_loss: torch.Tensor | None = None
@@ -72,12 +78,13 @@ class MoETransformer(nn.Module):
         self.loss_chunk_tokens, self.activation_checkpointing = loss_chunk_tokens, activation_checkpointing
         self.frozen_dtype = _DTYPES[frozen_dtype] if isinstance(frozen_dtype, str) else frozen_dtype
         self.local_experts = sorted(range(cfg.n_experts) if local_experts is None else local_experts)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.padded_vocab = -(-cfg.vocab_size // VOCAB_PAD) * VOCAB_PAD
+        self.embed = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.layers = nn.ModuleList(
             Block(cfg, self.local_experts, self.frozen_dtype) for _ in range(cfg.n_layers)
         )
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
@@ -103,6 +110,8 @@ class MoETransformer(nn.Module):
         for name, p in self.named_parameters():
             if ".experts." not in name:
                 shapes[name] = tuple(p.shape)
+                if name in _VOCAB_ROWS:
+                    shapes[name] = (cfg.vocab_size, *p.shape[1:])
         for layer in range(cfg.n_layers):
             gu, dn = _expert_keys(layer)
             shapes[gu] = (cfg.n_experts, 2 * cfg.expert_hidden, cfg.d_model)
@@ -111,7 +120,7 @@ class MoETransformer(nn.Module):
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """All weights, experts in full [E, ...] canonical order, fp32, detached copies."""
-        out = {n: p.detach().float().clone() for n, p in self.named_parameters() if ".experts." not in n}
+        out = {n: t.float().clone() for n, t in self.dense_tensors().items()}
         for layer, block in enumerate(self.layers):
             gu, dn = _expert_keys(layer)
             out[gu], out[dn] = block.moe.experts.canonical()
@@ -129,10 +138,10 @@ class MoETransformer(nn.Module):
         for name, shape in want.items():
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
-        params = dict(self.named_parameters())
-        for name, p in params.items():
-            if ".experts." not in name:
-                p.copy_(state[name])
+        for name, p in self.dense_parameters().items():
+            if name in _VOCAB_ROWS:
+                p[self.cfg.vocab_size :].zero_()
+            self.unpadded(name, p).copy_(state[name])
         for layer, block in enumerate(self.layers):
             gu, dn = _expert_keys(layer)
             block.moe.experts.load_canonical(state[gu], state[dn])
@@ -154,6 +163,23 @@ class MoETransformer(nn.Module):
     def dense_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if ".experts." not in n}
 
+    def dense_tensors(self) -> dict[str, torch.Tensor]:
+        """Detached views of the dense weights at their canonical size (no vocabulary padding rows); an
+        in-place update of a view reaches the model."""
+        return {n: self.unpadded(n, p.detach()) for n, p in self.dense_parameters().items()}
+
+    def unpadded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the parameter ``name``, or anything of its shape such as an optimizer moment) without
+        the vocabulary padding rows; other tensors as they are."""
+        return tensor[: self.cfg.vocab_size] if name in _VOCAB_ROWS else tensor
+
+    def padded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``unpadded``: zero rows appended up to ``padded_vocab``."""
+        if name not in _VOCAB_ROWS or tensor.shape[0] == self.padded_vocab:
+            return tensor
+        pad = tensor.new_zeros(self.padded_vocab - tensor.shape[0], *tensor.shape[1:])
+        return torch.cat([tensor, pad])
+
     def local_expert_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if ".experts." in n}
 
@@ -162,16 +188,23 @@ class MoETransformer(nn.Module):
         x = self.embed(input_ids)
         rope = self.rope(input_ids.shape[1], x.device, x.dtype)
         stats = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
-            x, s = block(x, rope)
+            x, s = checkpoint(block, x, rope, use_reentrant=False) if recompute else block(x, rope)
             stats.append(s)
-        logits = self.lm_head(self.norm(x))
-        out = ModelOutput(
-            logits=logits, expert_tokens=routed_token_counts(stats, self.cfg.n_experts).detach()
+        h = self.norm(x)
+        out = ModelOutput(logits=None, expert_tokens=routed_token_counts(stats, self.cfg.n_experts).detach())
+        if targets is None:
+            out.logits = self.lm_head(h)[..., : self.cfg.vocab_size]
+            return out
+        out.lm_loss = linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]),
+            self.lm_head.weight,
+            targets.reshape(-1),
+            self.cfg.vocab_size,
+            self.loss_chunk_tokens,
         )
-        if targets is not None:
-            out.lm_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-            out.lb_loss = load_balancing_loss(stats, self.cfg.n_experts)
-            out.z_loss = router_z_loss(stats)
-            out.loss = out.lm_loss + self.cfg.lb_loss_coef * out.lb_loss + self.cfg.z_loss_coef * out.z_loss
+        out.lb_loss = load_balancing_loss(stats, self.cfg.n_experts)
+        out.z_loss = router_z_loss(stats)
+        out.loss = out.lm_loss + self.cfg.lb_loss_coef * out.lb_loss + self.cfg.z_loss_coef * out.z_loss
         return out

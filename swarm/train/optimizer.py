@@ -10,20 +10,27 @@ from swarm.train.checkpoint import CheckpointError
 
 
 def build_optimizer(model: MoETransformer, t: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over trainable parameters only; matrices decay, norms do not."""
+    """AdamW over trainable parameters only; matrices decay, norms do not. On CUDA the fused kernel (one
+    launch for all parameters; the for-each version took 20% of a spes-1b step on an H100)."""
     decay, no_decay = [], []
     for p in model.trainable_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, foreach=True)
+    fused = all(p.is_cuda for p in model.trainable_parameters())
+    kind = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, **kind)
 
 
 def optimizer_tensors(model: MoETransformer, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``{"<param>/<slot>": tensor}``; moments of the embedding and LM head without vocabulary padding rows
+    (a checkpoint shows the true vocabulary size)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for p, st in opt.state.items():
+        name = names[id(p)]
         for key, value in st.items():
-            out[f"{names[id(p)]}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{name}/{key}"] = model.unpadded(name, value) if value.shape == p.shape else value
     return out
 
 
@@ -36,13 +43,17 @@ def load_optimizer_tensors(
         name, _, slot = key.rpartition("/")
         if name not in params:
             raise CheckpointError(f"optimizer state for unknown parameter {name}")
+        if slot in ("exp_avg", "exp_avg_sq"):
+            value = model.padded(name, value)
         state.setdefault(name, {})[slot] = value
     for name, st in state.items():
         p = params[name]
         for slot in ("exp_avg", "exp_avg_sq"):
             if slot in st and st[slot].shape != p.shape:
                 raise CheckpointError(f"optimizer state {name}/{slot} has shape {tuple(st[slot].shape)}")
-        opt.state[p] = {k: (v.to(p.device) if k != "step" else v) for k, v in st.items()}
+        # the step counter stays on the CPU, except for the fused kernel that reads it on the device
+        fused = bool(opt.defaults.get("fused"))
+        opt.state[p] = {k: (v.to(p.device) if k != "step" or fused else v) for k, v in st.items()}
 
 
 def remap_expert_moments(
