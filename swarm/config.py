@@ -157,7 +157,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
     # the LM head and cross-entropy run over this many tokens at a time, so fp32 logits of the whole batch
     # never exist (0: one chunk, plain cross-entropy)
-    loss_chunk_tokens: int = 8192
+    loss_chunk_tokens: int = 1024
     log_every: int = 10
     eval_every: int = 100
     checkpoint_every: int = 500

@@ -70,7 +70,7 @@ class MoETransformer(nn.Module):
         local_experts: list[int] | None = None,
         frozen_dtype: str | torch.dtype = torch.float32,
         *,
-        loss_chunk_tokens: int = 8192,
+        loss_chunk_tokens: int = 1024,
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
