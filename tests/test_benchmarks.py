@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks/memory.py and benchmarks/step_speed.py at a tiny shape (seconds, no speed asserts).
+"""Smoke tests of benchmarks/memory.py, step_speed.py and gpu_step.py at a tiny shape (seconds, no speed asserts).
 
 Each script runs as a subprocess with ``--tiny --json``; the tests check the exit code and the ratios the
 JSON reports. Timings are never asserted (the machine is shared and noisy): only that they were measured.
@@ -12,6 +12,8 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +59,62 @@ def test_step_speed_benchmark_tiny():
         q = r["ratios"][key]
         assert q["goal"] == goal
         assert math.isfinite(q["ratio_of_medians"]) and q["ratio_of_medians"] > 0
+
+
+def _run_lines(script: str, *args: str, timeout: int = 180) -> list[dict]:
+    """Run a benchmark that prints one JSON object per line; return the objects."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_gpu_step_benchmark_cpu_tiny():
+    """benchmarks/gpu_step.py's machinery on CPU at a tiny shape: every row, every ratio, the 2-peer round."""
+    recs = _run_lines("gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split())
+    config = [r for r in recs if r["kind"] == "config"]
+    rows = {r["row"]: r for r in recs if r["kind"] == "row"}
+    ratios = {r["name"]: r for r in recs if r["kind"] == "ratio"}
+    rounds = [r for r in recs if r["kind"] == "round"]
+    assert len(config) == 1 and config[0]["peak_tflops"] == 1.0 and config[0]["compile"] is False
+    fpt = config[0]["flops_per_token"]
+    # the formula it states, by hand for the tiny shape: 2 layers, d 64, 4 heads, 16 experts x 64, vocab 512
+    n_active = 2 * (64 * 16 * (2 * 4 + 2 * 4) + 64 * 16 + 2 * 3 * 64 * 64) + 64 * 512
+    assert fpt == 6 * n_active + 12 * 2 * 32 * 64
+    assert list(rows) == ["ours-all", "ours-4of16", "hf-olmoe", "ours-4of16-mb-ac", "ours-4of16-mb"]
+    for r in rows.values():
+        assert "error" not in r and "compile_error" not in r, r
+        assert r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 2
+        assert math.isclose(r["mfu"], r["tokens_per_s"] * fpt / 1e12, rel_tol=1e-9)
+        assert r["peak_bytes"] is None and r["state_bytes"] > 0  # no peak memory measure on CPU
+        assert abs(r["loss_first"] - math.log(512)) < 0.5  # random weights, random tokens
+    assert rows["ours-4of16-mb-ac"]["activation_checkpointing"] is True
+    assert 0 < ratios["state bytes 4of16 / all"]["value"] < 1
+    assert ratios["tokens/s ours-all / hf-olmoe"]["value"] > 0
+    assert ratios["peak memory 4of16 / all (same batch)"]["met"] is None  # not measured on CPU
+    assert len(rounds) == 1 and "error" not in rounds[0], rounds
+    rnd = rounds[0]
+    assert rnd["group_sizes"] == [2, 2] and rnd["max_abs_error_vs_mean"] < 1e-6
+    assert rnd["round_s"] >= rnd["average_s"] > 0 and 0 <= rnd["copy_fraction"] <= 1
+
+
+def test_gpu_step_benchmark_skips_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("gpu_step: skipped: no CUDA device"), proc
+    assert len(proc.stdout.strip().splitlines()) == 1
