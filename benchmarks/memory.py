@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from swarm.config import ModelConfig, RunConfig, load_config  # noqa: E402
+from swarm.net.round_memory import round_host_bytes  # noqa: E402
 
 GOAL_REL_DIFF = 0.05
 VARIANTS = ("all", "local-fp32", "local-bf16")  # all experts; k local with frozen experts in fp32 / bf16
@@ -96,7 +97,7 @@ def predict_shape(cfg: ModelConfig) -> Prediction:
         + 2 * d  # attn_norm, ffn_norm
         + cfg.n_experts * d  # router
     )
-    embed = cfg.vocab_size * d
+    embed = -(-cfg.vocab_size // 128) * 128 * d  # the model pads the vocabulary to 128 rows (VOCAB_PAD)
     dense = embed + (0 if cfg.tie_embeddings else embed) + cfg.n_layers * per_layer + d  # + final norm
     expert = cfg.n_layers * 3 * cfg.expert_hidden * d
     # trainable tensors: embed, [lm_head], final norm; per layer 9 dense (4 projections, 2 q/k norms,
@@ -192,6 +193,19 @@ def run_child(cfg: RunConfig, variant: str, k: int, seq: int) -> dict:
 
 
 # -- the parent: run the children, compare ------------------------------------------------------------------
+def round_host_table(n_local: int) -> dict[str, dict[str, int]]:
+    """A round's host bytes at the real spes-1b and spes-7b shapes, now and before non-local experts were
+    read in place (see swarm/net/round_memory.py)."""
+    out = {}
+    for name in ("spes-1b", "spes-7b"):
+        parts = round_host_bytes(load_config(ROOT / "configs" / f"{name}.yaml").model, n_local)
+        out[name] = asdict(parts) | {
+            "round_total": parts.round_total,
+            "round_total_before": parts.round_total_before,
+        }
+    return out
+
+
 def rel_diff(measured: float, predicted: float) -> float:
     return (measured - predicted) / predicted
 
@@ -323,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "children": measured,
         "passed": all(r["tensor_pass"] and r["rss_pass"] for r in ratios),
+        "round_host_bytes": round_host_table(args.local),
         "seconds": time.perf_counter() - t0,
     }
     if args.json:
@@ -364,6 +379,20 @@ def print_report(r: dict) -> None:
             f"{q['rss']:>8.4f} {q['rss_rel_diff']:>+8.2%}  {ok}"
         )
     print(f"\noverall: {'PASS' if r['passed'] else 'FAIL'}  ({r['seconds']:.0f} s)")
+    print(
+        f"\nHost memory of one round ({s['local_experts']} local experts; arithmetic from the full 12/32-layer "
+        "shapes, swarm/net/round_memory.py;\nthe swarm's round records report the same count as host_bytes, "
+        "checked against this formula by tests/test_round_memory.py)"
+    )
+    print(
+        f"{'config':<8} {'snapshots':>10} {'results':>10} {'downloads':>10} {'round':>10} {'before':>10} "
+        f"{'averager buffers':>17}"
+    )
+    for name, b in r["round_host_bytes"].items():
+        print(
+            f"{name:<8} {gib(b['snapshots']):>10} {gib(b['results']):>10} {gib(b['downloads']):>10} "
+            f"{gib(b['round_total']):>10} {gib(b['round_total_before']):>10} {gib(b['averager_buffers']):>17}"
+        )
 
 
 if __name__ == "__main__":

@@ -115,3 +115,20 @@ def test_heartbeats_round_trip_and_ignore_malformed_records():
         assert read_heartbeats(dht, "t_run") == {}
     finally:
         dht.shutdown()
+
+
+def test_groups_hold_host_fp32_tensors_whatever_the_models_device():
+    """hivemind cannot average CUDA tensors (its compression calls .numpy()): a group built from a model's
+    tensors on any device, in any dtype, holds host fp32 buffers ("meta" stands in for a GPU here)."""
+    dht = start_dht()
+    try:
+        like = [torch.empty(3, 8, dtype=torch.bfloat16, device="meta"), torch.empty(5, device="meta")]
+        group = AveragingGroup(dht, "t_meta", like)
+        try:
+            with group.averager.get_tensors() as held:
+                got = [(t.device.type, t.dtype, tuple(t.shape)) for t in held]
+            assert got == [("cpu", torch.float32, (3, 8)), ("cpu", torch.float32, (5,))]
+        finally:
+            group.shutdown()
+    finally:
+        dht.shutdown()

@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from swarm.config import load_config
+from swarm.net.round_memory import held_bytes
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import (
@@ -70,6 +72,11 @@ def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootst
                 "applied",
             ):
                 assert key in r
+            # the round held snapshots and results of what it averaged plus fp16 downloads, nothing more
+            cfg = load_config(tiny_config)
+            averaged = sum(g.startswith("expert") for g in r["applied_groups"])
+            want = held_bytes(cfg.model, 4, averaged, len(r["downloaded"]), "dense" in r["applied_groups"])
+            assert r["host_bytes"] == want, (r, want)
     # The last round is synchronous (no local steps after it) and is followed by the final agreement, so
     # every peer ends with the same dense weights and every holder of an expert with the same copy: equal
     # in fp32 when the round averaged them, within fp16 where a peer adopted a copy over the wire.

@@ -82,7 +82,8 @@ class AveragingGroup:
         self.prefix = prefix
         with hivemind_child_signals():
             self.averager = _ServingAverager(
-                [torch.zeros_like(t, dtype=torch.float32) for t in like],
+                # always host tensors: hivemind's compression calls .numpy() and fails on CUDA tensors
+                [torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in like],
                 dht,
                 prefix=prefix,
                 start=True,

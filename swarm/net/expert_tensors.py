@@ -16,8 +16,9 @@ def dense_names(model: MoETransformer) -> list[str]:
 
 
 def dense_tensors(model: MoETransformer) -> list[torch.Tensor]:
-    params = model.dense_parameters()
-    return [params[n].detach() for n in dense_names(model)]
+    """Views of the dense weights at canonical size (no vocabulary padding rows), sorted by name."""
+    views = model.dense_tensors()
+    return [views[n] for n in dense_names(model)]
 
 
 def expert_tensors(model: MoETransformer, e: int) -> list[torch.Tensor]:
@@ -38,7 +39,24 @@ def expert_tensors(model: MoETransformer, e: int) -> list[torch.Tensor]:
 
 
 def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.detach().float().cpu().clone() for t in tensors]
+    """Host fp32 copies, whatever the tensors' device and dtype (the swarm moves host tensors only). From a
+    GPU the copies go asynchronously into pinned buffers, with one wait at the end."""
+    out = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=torch.float32, pin_memory=t.is_cuda)
+        out.append(host.copy_(t.detach(), non_blocking=t.is_cuda))
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    return out
+
+
+def host_float(t: torch.Tensor) -> torch.Tensor:
+    """One tensor as host fp32 (a view when it already is one): for reading a frozen copy in place."""
+    return t.detach().to("cpu", torch.float32)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @torch.no_grad()

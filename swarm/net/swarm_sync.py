@@ -26,7 +26,15 @@ import torch
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.averaging import AveragingGroup, download_state
-from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, per_layer, snapshot
+from swarm.net.expert_tensors import (
+    dense_tensors,
+    expert_tensors,
+    host_float,
+    nbytes,
+    overwrite,
+    per_layer,
+    snapshot,
+)
 from swarm.net.final_agreement import FinalGroup, agree_on_final_copies
 from swarm.net.records import (
     Heartbeat,
@@ -309,7 +317,9 @@ class SwarmSync:
         self._round_index += 1
         dense = snapshot(dense_tensors(model))
         experts = {e: snapshot(expert_tensors(model, e)) for e in self.local}
-        frozen = {e: snapshot(expert_tensors(model, e)) for e in range(self.n_experts) if e not in self.local}
+        # non-local experts do not change during a round (downloads are applied after it): the round reads
+        # them in place, one tensor at a time, instead of holding a host copy of most of the model
+        frozen = {e: expert_tensors(model, e) for e in range(self.n_experts) if e not in self.local}
         weights = {"dense": float(self._tokens)} | {e: float(self._expert_tokens[e]) for e in self.local}
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         groups = dict(self.expert_groups)  # as of now: an expert switch during the round changes the dict
@@ -375,11 +385,14 @@ class SwarmSync:
             got = self._download(e, mine, step, final, deadline, rec)
             if got is not None:
                 result.downloads[e] = got
-                recv += sum(t.numel() * 2 for t in got)  # fp16 on the wire
+                recv += nbytes(got)  # as it came off the wire (fp16), kept so until it is applied
         rec["download_failures"], self._download_failures = self._download_failures, []
         self._merge(result, experts, frozen, step, index)
         wire1 = self.traffic.total()
         rec.update(bytes_sent=sent, bytes_recv=recv, sync_seconds=round(time.monotonic() - t0, 3))
+        held = [*dense, *(t for ts in experts.values() for t in ts)]  # snapshots, then results
+        held += [t for pair in [result.dense, *result.experts.values()] if pair for t in pair[1]]
+        rec["host_bytes"] = nbytes(held) + nbytes(t for ts in result.downloads.values() for t in ts)
         if wire0 is not None and wire1 is not None:
             rec["wire_bytes"] = wire1 - wire0  # measured at our p2pd: both directions, overhead included
         self._results.put(result)
@@ -462,7 +475,8 @@ class SwarmSync:
             got = self._fresh_state(peer, e, step, final, deadline)
             if got is None:
                 continue  # holder gone, or it has not finished a round yet
-            tensors = [t.float() for t in got[1]]
+            # fp16 on the wire, but hivemind restores the sender's dtype: keep the fp16 values (no loss)
+            tensors = [t.half() if t.dtype == torch.float32 else t for t in got[1]]
             try:
                 check_tensors(f"expert{e}", tensors, mine, self.sc.max_rel_distance)
             except RejectedTensor as err:
@@ -482,8 +496,9 @@ class SwarmSync:
         layers = [per_layer(fresh[e]) for e in range(self.n_experts)]
         merged: dict[int, list[torch.Tensor]] = {e: [] for e in local}
         for li in range(len(layers[0])):
-            gu = torch.stack([layers[e][li][0] for e in range(self.n_experts)])
-            dn = torch.stack([layers[e][li][1] for e in range(self.n_experts)])
+            # one layer at a time in host fp32: frozen copies may be bf16 on a GPU
+            gu = torch.stack([host_float(layers[e][li][0]) for e in range(self.n_experts)])
+            dn = torch.stack([host_float(layers[e][li][1]) for e in range(self.n_experts)])
             mgu, mdn = merge_experts(gu, dn, local, alpha, sc.merge_topk)
             for row, e in enumerate(local):
                 merged[e] += [mgu[row], mdn[row]]

@@ -30,7 +30,8 @@ class OuterStep:
         average: dict[str, torch.Tensor],
     ) -> None:
         for name, p in params.items():
-            delta = average[name].to(p.device, torch.float32) - snapshot[name].to(p.device, torch.float32)
+            # the difference where the round's tensors are (host memory), then one copy to the device
+            delta = (average[name].float() - snapshot[name].float()).to(p.device)
             if self.momentum:
                 buf = self.buffers.get(name)
                 buf = delta.clone() if buf is None else buf.mul_(self.momentum).add_(delta)

@@ -22,8 +22,9 @@ def check_tensor(name: str, received: torch.Tensor, local: torch.Tensor, max_rel
         raise RejectedTensor(f"{name}: dtype {received.dtype} is not floating point")
     if not torch.isfinite(received).all():
         raise RejectedTensor(f"{name}: contains NaN or inf")
-    dist = torch.linalg.vector_norm(received.float() - local.float()).item()
-    scale = torch.linalg.vector_norm(local.float()).item() + 1e-6
+    mine = local.detach().to(received.device, torch.float32)  # ours may live on a GPU, in bf16
+    dist = torch.linalg.vector_norm(received.float() - mine).item()
+    scale = torch.linalg.vector_norm(mine).item() + 1e-6
     if dist > max_rel_distance * scale:
         raise RejectedTensor(f"{name}: relative distance {dist / scale:.3g} exceeds {max_rel_distance}")
 
