@@ -30,8 +30,11 @@ class OuterStep:
         average: dict[str, torch.Tensor],
     ) -> None:
         for name, p in params.items():
-            # the difference where the round's tensors are (host memory), then one copy to the device
-            delta = (average[name].float() - snapshot[name].float()).to(p.device)
+            # the difference where the round's tensors are (host memory), into a pinned buffer when the model
+            # is on a GPU so that the copy to the device runs asynchronously, ordered before the update
+            host = torch.empty(p.shape, dtype=torch.float32, pin_memory=p.is_cuda)
+            torch.sub(average[name].float(), snapshot[name].float(), out=host)
+            delta = host.to(p.device, non_blocking=p.is_cuda)
             if self.momentum:
                 buf = self.buffers.get(name)
                 buf = delta.clone() if buf is None else buf.mul_(self.momentum).add_(delta)
