@@ -7,6 +7,12 @@ With ``--initial-peers`` the peer joins the swarm: it refuses a run whose model 
 with the fewest live holders, fetches the current weights if the swarm has already trained, and
 synchronises every ``sync.sync_every`` steps. Bad input (config, data, tokenizer, checkpoint, another
 model in the swarm) prints one ``error:`` line and exits with code 2.
+
+Several devices in one peer (data parallel, see ``swarm.train.local_ranks``)::
+
+    torchrun --standalone --nproc-per-node 4 -m peers.main --config ... --initial-peers MADDR ...
+
+Only rank 0 joins the swarm and writes the run dir; the other ranks train on rank 0's weights.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from swarm.hf.init_from import apply_init_weights, load_init_weights
 from swarm.model import BackendUnavailable
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
+from swarm.train.local_ranks import LocalRanks, collective_timeout_s
 from swarm.train.trainer import pick_device
 
 EXIT_BAD_INPUT = 2
@@ -74,7 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+_interrupted = False
+
+
 def _terminate(signum, frame):  # SIGTERM behaves like Ctrl+C: checkpoint, then leave
+    raise KeyboardInterrupt
+
+
+def _terminate_once(signum, frame):
+    """Under torchrun a Ctrl+C reaches a rank twice (from the terminal, then forwarded by torchrun): only
+    the first counts, so that rank 0's checkpoint is not cut short."""
+    global _interrupted
+    _interrupted = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -133,7 +153,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    trainer = dht = None
+    trainer = dht = ranks = None
     try:
         cfg = load_config(args.config, args.set)
         if args.solo == bool(args.initial_peers):
@@ -141,22 +161,35 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps is not None and args.max_steps < 0:
             raise ConfigError("--max-steps: must be >= 0")
         signal.signal(signal.SIGTERM, _terminate)
+        ranks = LocalRanks.from_env()  # a torchrun launch: one peer over several local devices
+        if ranks is not None:
+            signal.signal(signal.SIGTERM, _terminate_once)
+            signal.signal(signal.SIGINT, _terminate_once)
+            ranks.init(pick_device(cfg.train.device), timeout_s=collective_timeout_s(cfg))
         if pick_device(cfg.train.device).type == "cpu":
             keep_freed_memory()
-        trainer = Trainer(cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress)
-        # read and check --init-from before set-up writes anything to the run dir
-        init_state = (
-            load_init_weights(args.init_from, cfg, args.run_dir, args.resume) if args.init_from else None
+        leader = ranks is None or ranks.is_leader
+        trainer = Trainer(
+            cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress and leader, ranks=ranks
         )
-        if args.solo:
-            trainer.setup(resume=args.resume)
-            apply_init_weights(trainer, init_state, args.init_from)
-        else:
-            dht = _join_swarm(cfg, args, trainer, init_state)
+        if leader:  # ranks > 0 never touch the swarm or the run dir
+            # read and check --init-from before set-up writes anything to the run dir
+            init_state = (
+                load_init_weights(args.init_from, cfg, args.run_dir, args.resume) if args.init_from else None
+            )
+            if args.solo:
+                trainer.setup(resume=args.resume)
+                apply_init_weights(trainer, init_state, args.init_from)
+            else:
+                dht = _join_swarm(cfg, args, trainer, init_state)
+        if ranks is not None:
+            ranks.share_setup(trainer)  # every rank starts from rank 0's experts and weights
         limits = [60 * args.max_minutes] if args.max_minutes is not None else []
         if args.stop_at is not None:
             limits.append(args.stop_at - time.time())
         summary = trainer.train(args.max_steps, min(limits) if limits else None)
+        if not leader:
+            return 0
         if "initial_val_loss" in summary:
             a, b = summary["initial_val_loss"], summary["final_val_loss"]
             print(
@@ -170,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:
+        if ranks is not None and not ranks.is_leader:  # never imports hivemind
+            # a collective failed because rank 0 left (it said why), e.g. gloo's "Connection closed by peer";
+            # rank 0 runs the same code, so any other error shows there with its traceback too
+            if isinstance(e, RuntimeError):
+                why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                print(f"error: local rank {ranks.rank} stopped: {why}", file=sys.stderr)
+                return 130 if _interrupted else 1
+            raise
         from swarm.net.dht_node import DHTStartError
         from swarm.net.records import FingerprintMismatch
 
@@ -180,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        if ranks is not None:  # first: ranks still waiting on this one fail at once
+            ranks.close()
         if trainer is not None:
             trainer.close()
         if dht is not None:

@@ -1,6 +1,7 @@
-"""The local trainer: optimizer over trainable parameters, schedule, checkpoints, metrics."""
+"""The local trainer: optimizer over trainable parameters, schedule, checkpoints, metrics, local ranks."""
 
 from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from swarm.train.local_ranks import LocalRanks
 from swarm.train.memory import training_state_bytes
 from swarm.train.optimizer import build_optimizer
 from swarm.train.sync_hook import NoSync, StepReport, SyncHook
@@ -8,6 +9,7 @@ from swarm.train.trainer import Trainer
 
 __all__ = [
     "CheckpointError",
+    "LocalRanks",
     "NoSync",
     "StepReport",
     "SyncHook",

@@ -8,6 +8,9 @@ Usage::
 
 Everything random comes from ``cfg.train.seed`` (weights, identical on every peer) and the data seed
 (windows, different per peer); a resumed run reproduces the uninterrupted one.
+
+With ``ranks`` (torchrun, see ``swarm.train.local_ranks``) every local rank runs this loop: DDP wraps the
+model for the training forward/backward only; after each step rank 0's decisions reach the other ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from swarm.data import (
 from swarm.data.manifest import file_sha256
 from swarm.model import MoETransformer, check_backend
 from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from swarm.train.local_ranks import LocalRanks, NullMetrics
 from swarm.train.metrics_log import MetricsLog
 from swarm.train.optimizer import (
     build_optimizer,
@@ -78,58 +82,90 @@ class Trainer:
     """One peer's training loop (see module docstring)."""
 
     def __init__(
-        self, cfg: RunConfig, run_dir: Path, sync: SyncHook | None = None, progress: bool = True
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        sync: SyncHook | None = None,
+        progress: bool = True,
+        ranks: LocalRanks | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.sync, self.progress = cfg, Path(run_dir), sync or NoSync(), progress
-        self.step, self.tokens = 0, 0
-        self.model: MoETransformer | None = None
+        self.step, self.tokens, self.ranks = 0, 0, ranks
+        self.model: MoETransformer | None = None  # the raw model: rounds, evaluation, checkpoints use it
+        self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process writes the run dir: a plain peer, or rank 0 of several local ranks."""
+        return self.ranks is None or self.ranks.is_leader
 
     # -- set-up -------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False, local_experts: list[int] | None = None) -> None:
+        """Build data, model and optimizer. A local rank > 0 only builds (LocalRanks.share_setup calls it
+        with rank 0's experts): it reads no checkpoint and writes nothing."""
         cfg = self.cfg
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.device = pick_device(cfg.train.device)
+        self.device = self.ranks.device if self.ranks is not None else pick_device(cfg.train.device)
         check_backend(cfg.model.moe_backend, self.device)
-        self._check_run_dir()
+        if self.is_leader:
+            self._check_run_dir()
         self.dataset = open_dataset(cfg, self.progress)
         data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed + 1
         self.sampler = WindowSampler(self.dataset, cfg.data.seq_len, cfg.data.micro_batch, seed=data_seed)
         self.val = validation_batches(
             self.dataset, cfg.data.seq_len, cfg.data.micro_batch, cfg.data.val_batches
         )
-        ckpt = None
-        existing = latest_checkpoint(self.run_dir / "checkpoints")
-        if existing is not None and not resume:
-            raise CheckpointError(
-                f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
-                "pass --resume to continue it or choose another --run-dir"
-            )
-        if resume and existing is None:
-            print(f"no checkpoint in {self.run_dir / 'checkpoints'}; starting from scratch", file=sys.stderr)
-        elif resume:
-            ckpt = load_checkpoint(existing)
-            if ckpt.state.get("fingerprint") != cfg.fingerprint():
-                raise CheckpointError(
-                    f"checkpoint {existing} belongs to another model/run (fingerprint differs)"
-                )
-            local_experts = ckpt.state.get("local_experts")
-            if not isinstance(local_experts, list) or not all(
-                isinstance(e, int) and 0 <= e < cfg.model.n_experts for e in local_experts
-            ):
-                raise CheckpointError(f"checkpoint {existing}: invalid local_experts {local_experts!r}")
+        ckpt = self._find_checkpoint(resume) if self.is_leader else None
+        if ckpt is not None:
+            local_experts = ckpt.state["local_experts"]
         local = local_experts if local_experts is not None else cfg.experts.resolve(cfg.model.n_experts)
         torch.manual_seed(cfg.train.seed)
-        self.model = MoETransformer(cfg.model, local, cfg.experts.frozen_dtype)
+        t = cfg.train
+        self.model = MoETransformer(
+            cfg.model,
+            local,
+            cfg.experts.frozen_dtype,
+            loss_chunk_tokens=t.loss_chunk_tokens,
+            activation_checkpointing=t.activation_checkpointing,
+        )
         self.model.init_weights(cfg.train.seed)
         self.model.to(self.device)
+        if t.compile if t.compile is not None else self.device.type == "cuda":
+            self.model.compile()  # keeps the module object; an expert switch recompiles
         self.optimizer = build_optimizer(self.model, cfg.train)
+        if not self.is_leader:
+            self.metrics = NullMetrics()
+            return
         save_config(cfg, self.run_dir / "config.yaml")  # only now: every check above has passed
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         if ckpt is not None:
             self._restore(ckpt)
         else:
             self.metrics.truncate_after(-1)  # a fresh run starts a fresh history
+
+    def _find_checkpoint(self, resume: bool):
+        """The checkpoint to resume from (checked against this run), or None for a fresh start."""
+        ckpts = self.run_dir / "checkpoints"
+        existing = latest_checkpoint(ckpts)
+        if existing is not None and not resume:
+            raise CheckpointError(
+                f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
+                "pass --resume to continue it or choose another --run-dir"
+            )
+        if not resume or existing is None:
+            if resume:
+                print(f"no checkpoint in {ckpts}; starting from scratch", file=sys.stderr)
+            return None
+        ckpt = load_checkpoint(existing)
+        if ckpt.state.get("fingerprint") != self.cfg.fingerprint():
+            raise CheckpointError(f"checkpoint {existing} belongs to another model/run (fingerprint differs)")
+        local = ckpt.state.get("local_experts")
+        if not isinstance(local, list) or not all(
+            isinstance(e, int) and 0 <= e < self.cfg.model.n_experts for e in local
+        ):
+            raise CheckpointError(f"checkpoint {existing}: invalid local_experts {local!r}")
+        return ckpt
 
     def _check_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,10 +189,8 @@ class Trainer:
         self.step, self.tokens = ckpt.step, int(ckpt.state["tokens"])
         self.sampler.load_state_dict(ckpt.state["sampler"])
         dropped = self.metrics.truncate_after(self.step)
-        print(
-            f"resumed from {ckpt.path} at step {self.step} ({dropped} later metric records dropped)",
-            file=sys.stderr,
-        )
+        msg = f"resumed from {ckpt.path} at step {self.step} ({dropped} later metric records dropped)"
+        print(msg, file=sys.stderr)
 
     # -- pieces of a step ---------------------------------------------------------------------------------
     def _autocast(self):
@@ -166,7 +200,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean cross-entropy on the held-out validation windows (same windows on every call and peer)."""
+        """Mean cross-entropy on the held-out validation windows (same windows on every call and peer);
+        NaN on a local rank > 0 (only rank 0 evaluates)."""
+        if not self.is_leader:
+            return math.nan
         self.model.eval()
         total = 0.0
         for batch in self.val:
@@ -184,17 +221,24 @@ class Trainer:
         accum = cfg.train.grad_accum
         lm = lb = z = 0.0
         expert_tokens = torch.zeros(cfg.model.n_experts, dtype=torch.long, device=self.device)
-        for _ in range(accum):
+        if self.ranks is not None and self._ddp is None:  # wrapped again after an expert switch
+            self._ddp = self.ranks.wrap(self.model)
+        module = self.model if self._ddp is None else self._ddp
+        for i in range(accum):
             batch = self.sampler.next_batch().to(self.device, non_blocking=True)
-            with self._autocast():
-                out = self.model(batch[:, :-1], targets=batch[:, 1:])
-            (out.loss / accum).backward()
+            sync_grads = module is self.model or i == accum - 1  # DDP: all-reduce after the last one only
+            with contextlib.nullcontext() if sync_grads else module.no_sync():
+                with self._autocast():
+                    out = module(batch[:, :-1], targets=batch[:, 1:])
+                (out.loss / accum).backward()
             lm, lb, z = (
                 lm + out.lm_loss.item() / accum,
                 lb + out.lb_loss.item() / accum,
                 z + out.z_loss.item() / accum,
             )
             expert_tokens += out.expert_tokens
+        if self.ranks is not None:  # the swarm sees the whole peer: tokens summed, losses averaged over ranks
+            expert_tokens, (lm, lb, z) = self.ranks.reduce_step(expert_tokens, (lm, lb, z))
         params = self.model.trainable_parameters()
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -223,6 +267,7 @@ class Trainer:
         it; optimizer moments move with the experts we keep and start at zero for the newcomer."""
         old_ids, moments = self.model.local_experts, optimizer_tensors(self.model, self.optimizer)
         self.model.set_local_experts(experts)
+        self._ddp = None  # new parameter objects: DDP wraps them afresh at the next step
         self.optimizer = build_optimizer(self.model, self.cfg.train)
         load_optimizer_tensors(
             self.model, self.optimizer, remap_expert_moments(moments, old_ids, self.model.local_experts)
@@ -234,7 +279,9 @@ class Trainer:
         )
         self.sync.experts_changed(self.model)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        if not self.is_leader:
+            return None
         state = {
             "tokens": self.tokens,
             "fingerprint": self.cfg.fingerprint(),
@@ -272,9 +319,12 @@ class Trainer:
             desc=f"peer {self.cfg.run_id}",
         )
         window_t, window_tok = time.perf_counter(), 0
+        out_of_time = stop_at is not None and time.monotonic() >= stop_at
+        if self.ranks is not None:  # rank 0's clock decides for every rank
+            _, out_of_time = self.ranks.share_decisions(self.model, self.step, [], None, out_of_time)
         try:
             while self.step < target:
-                if stop_at is not None and time.monotonic() >= stop_at:
+                if out_of_time:
                     target = self.step  # out of time: this is the last step
                     self.save()
                     break
@@ -289,9 +339,14 @@ class Trainer:
                     rec["loss"],
                     last=self.step == target or out_of_time,
                 )
-                for round_rec in self.sync.after_step(self.model, report):
-                    self.metrics.write(**round_rec)
+                records = self.sync.after_step(self.model, report)
                 wanted = self.sync.wanted_experts()
+                if self.ranks is not None:  # rank 0's round results and decisions reach every rank
+                    wanted, out_of_time = self.ranks.share_decisions(
+                        self.model, self.step, records, wanted, out_of_time
+                    )
+                for round_rec in records:
+                    self.metrics.write(**round_rec)
                 if wanted is not None and sorted(wanted) != self.model.local_experts:
                     self.switch_experts(wanted)
                 last = self.step == target
@@ -310,16 +365,22 @@ class Trainer:
                 if self.step % t.checkpoint_every == 0 or last:
                     self.save()
         except KeyboardInterrupt:
-            print(f"\ninterrupted at step {self.step}: writing a checkpoint", file=sys.stderr)
+            if self.is_leader:
+                print(f"\ninterrupted at step {self.step}: writing a checkpoint", file=sys.stderr)
             self.save()
             raise
         finally:
             bar.close()
         if self.step > summary["start_step"]:  # a last synchronous round: replicas agree when we stop
+            if self.ranks is not None:  # did DDP keep the ranks equal? (checked before the last round)
+                check = self.ranks.check_weights(self.model, self.step, "trained")
+                self.metrics.write(step=self.step, ranks_check="end of training", **check)
             report = StepReport(
                 self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
             )
             final = self.sync.finish(self.model, report)
+            if self.ranks is not None:
+                self.ranks.share_decisions(self.model, self.step, final, None, True)
             for round_rec in final:
                 self.metrics.write(**round_rec)
             if any(r.get("applied") for r in final):
@@ -328,7 +389,8 @@ class Trainer:
         return summary
 
     def _step_tokens(self) -> int:
-        return self.cfg.train.grad_accum * self.cfg.data.micro_batch * self.cfg.data.seq_len
+        ranks = self.ranks.world_size if self.ranks is not None else 1
+        return self.cfg.train.grad_accum * self.cfg.data.micro_batch * self.cfg.data.seq_len * ranks
 
     def close(self) -> None:
         self.sync.close()
