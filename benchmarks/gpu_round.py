@@ -9,14 +9,14 @@ What is measured
     1. snapshot  ``swarm.net.expert_tensors.snapshot(dense_tensors(model))``: fp32 copies on the host
     2. average   ``AveragingGroup.start`` on both peers, then ``finish``: the all-reduce in hivemind's own
                  processes (includes its minimum matchmaking time, ``--matchmaking-s``)
-    3. apply     ``swarm.sync.OuterStep(alpha=1).apply(params, snapshot, average)``: the average and the
-                 snapshot go back to the device and theta += a - s
+    3. apply     ``swarm.sync.OuterStep(alpha=1).apply(params, snapshot, average)`` on views of the
+                 model's dense weights (``dense_tensors``): theta += a - s, moving to the device what it must
 
     Peer A's times are the round's: ``round_s = snapshot_s + average_s + apply_s``; ``copy_s`` is its
-    device -> host snapshot plus the host -> device transfer of the average and the snapshot (timed on
-    their own, as ``apply`` does them), and ``copy_fraction = copy_s / round_s``. For comparison it also
-    times a device -> host copy of the same tensors into pinned buffers (CUDA only). The result is checked:
-    after the round both peers hold the same dense weights, the mean of their snapshots.
+    device -> host snapshot plus a host -> device transfer of one dense-sized set of fp32 tensors (timed on
+    its own: what ``apply`` moves), and ``copy_fraction = copy_s / round_s``. For comparison it also times a
+    bare non-blocking copy of the same tensors into pinned buffers (CUDA only): the least a snapshot can
+    cost. The result is checked: after the round both peers hold the mean of their snapshots.
 
 Usage::
 
@@ -43,7 +43,7 @@ from swarm.config import load_config  # noqa: E402
 from swarm.model import MoETransformer  # noqa: E402
 from swarm.net.averaging import AveragingGroup  # noqa: E402
 from swarm.net.dht_node import start_dht, visible_maddrs  # noqa: E402
-from swarm.net.expert_tensors import dense_names, dense_tensors, snapshot  # noqa: E402
+from swarm.net.expert_tensors import dense_tensors, snapshot  # noqa: E402
 from swarm.sync.apply_average import OuterStep  # noqa: E402
 
 TINY = [
@@ -110,17 +110,18 @@ def measure_round(cfg, device: torch.device, matchmaking_s: float, timeout_s: fl
         average_s = time.perf_counter() - t0
         if not all(o.ok for o in outcomes):
             return {"error": "round failed: " + "; ".join(o.reason for o in outcomes if not o.ok)}
-        names = dense_names(models[0])
-        # the transfers that apply() does, on their own: the average and the snapshot to the device
-        _, h2d_s = timed(lambda: [t.to(device) for t in (*outcomes[0].tensors, *snaps[0])], device)
+        # the host -> device transfer inside apply(), on its own: one dense-sized set of fp32 tensors
+        _, h2d_s = timed(lambda: [t.to(device) for t in outcomes[0].tensors], device)
         apply_s = []
         for m, s, o in zip(models, snaps, outcomes, strict=True):
-            params = m.dense_parameters()
+            params = dense_tensors(m)  # in-place views of the model's weights, as the peer applies them
+            keys = [str(i) for i in range(len(params))]
+            step = OuterStep(1.0)
             _, sec = timed(
-                lambda p=params, s=s, o=o: OuterStep(1.0).apply(
-                    {n: p[n] for n in names},
-                    dict(zip(names, s, strict=True)),
-                    dict(zip(names, o.tensors, strict=True)),
+                lambda step=step, params=params, keys=keys, s=s, o=o: step.apply(
+                    dict(zip(keys, params, strict=True)),
+                    dict(zip(keys, s, strict=True)),
+                    dict(zip(keys, o.tensors, strict=True)),
                 ),
                 device,
             )
