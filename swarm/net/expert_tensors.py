@@ -6,6 +6,8 @@ the local split and the frozen dtype, so peers with different local experts exch
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from swarm.model import MoETransformer
@@ -53,6 +55,13 @@ def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def host_float(t: torch.Tensor) -> torch.Tensor:
     """One tensor as host fp32 (a view when it already is one): for reading a frozen copy in place."""
     return t.detach().to("cpu", torch.float32)
+
+
+def side_stream(device: torch.device):
+    """A context on a new CUDA stream of ``device``; nothing on a CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
 
 
 def nbytes(tensors) -> int:

@@ -33,6 +33,7 @@ from swarm.net.expert_tensors import (
     nbytes,
     overwrite,
     per_layer,
+    side_stream,
     snapshot,
 )
 from swarm.net.final_agreement import FinalGroup, agree_on_final_copies
@@ -85,6 +86,7 @@ class SwarmSync:
         )
         self.n_experts = cfg.model.n_experts
         self.local = list(model.local_experts)
+        self.device = model.embed.weight.device
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
         self._group_kw = kw = dict(
             matchmaking_time=self.sc.matchmaking_s,
@@ -328,7 +330,13 @@ class SwarmSync:
         self._in_flight.start()
 
     # -- a round (background thread) ---------------------------------------------------------------------
-    def _run_round(self, index, step, dense, experts, frozen, weights, groups, scheduled=None) -> None:
+    def _run_round(self, *args) -> None:
+        # on a GPU the round reads non-local experts on a stream of its own, so its copies to the host do not
+        # queue behind the training step's kernels (nothing writes those experts while a round runs)
+        with side_stream(self.device):
+            self._round(*args)
+
+    def _round(self, index, step, dense, experts, frozen, weights, groups, scheduled=None) -> None:
         t0 = time.monotonic()
         if scheduled is not None:
             # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
