@@ -56,3 +56,19 @@ def test_bf16_autocast_is_close_to_fp32():
         loss = linear_cross_entropy(h, w, t, vocab_size=50, chunk_tokens=16)
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref.item()) / ref.item() < 2e-2
+
+
+def test_ignored_targets_are_left_out_like_cross_entropy():
+    h, w, t = _inputs()
+    t[::3] = -100
+    loss = linear_cross_entropy(h, w, t, vocab_size=50, chunk_tokens=8)
+    loss.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = F.cross_entropy((h @ w.t())[:, :50], t)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-6 * ref.item()
+    assert (gh - h.grad).abs().max().item() < 1e-6 and (gw - w.grad).abs().max().item() < 1e-6
+    assert gh[::3].abs().max().item() == 0
+    with torch.no_grad():
+        assert abs(linear_cross_entropy(h, w, t, 50, 8).item() - ref.item()) < 1e-6 * ref.item()

@@ -2,7 +2,8 @@
 
     loss = linear_cross_entropy(hidden, lm_head.weight, targets, vocab_size=V, chunk_tokens=1024)
 
-equals ``F.cross_entropy((hidden @ weight.T)[:, :V].float(), targets)`` (mean over tokens). With a vocabulary
+equals ``F.cross_entropy((hidden @ weight.T)[:, :V].float(), targets)`` (mean over tokens; targets of
+``IGNORE`` = -100 are left out, as there). With a vocabulary
 of 151k, fp32 logits of 8 x 2048 tokens take 10 GB, and autograd would keep them for the backward pass. Here
 each chunk's logits live only while that chunk is processed: the gradients with respect to the hidden states
 and the weight are computed right away (softmax minus one-hot, the way fused kernels such as Liger's do it)
@@ -13,6 +14,8 @@ and the backward pass only scales them. Rows of ``weight`` past ``vocab_size`` (
 from __future__ import annotations
 
 import torch
+
+IGNORE = -100
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -25,20 +28,22 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, vocab_size: int) -> torch.Te
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size: int, chunk: int, dtype: torch.dtype):
-        n = h.shape[0]
         w = weight.to(dtype)
+        valid = targets != IGNORE
+        n = valid.sum().clamp(min=1)  # a tensor: no host sync
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, n, chunk):
-            hc, tc = h[start : start + chunk].to(dtype), targets[start : start + chunk]
+        for start in range(0, h.shape[0], chunk):
+            part = slice(start, start + chunk)
+            hc, tc, keep = h[part].to(dtype), targets[part].clamp(min=0)[:, None], valid[part, None]
             logits = _chunk_logits(hc, w, vocab_size)
-            lse = torch.logsumexp(logits, dim=-1)
-            total = total + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-            g = torch.exp(logits - lse[:, None])  # softmax; d(mean loss)/d(logits) = (softmax - onehot) / n
-            g.scatter_add_(1, tc[:, None], torch.full_like(lse[:, None], -1.0))
-            g = (g / n).to(dtype)
-            grad_h[start : start + chunk] = (g @ w).to(h.dtype)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            total = total + ((lse - logits.gather(1, tc)) * keep).sum()
+            g = torch.exp(logits - lse)  # softmax; d(mean loss)/d(logits) = (softmax - onehot) / n
+            g.scatter_add_(1, tc, torch.full_like(lse, -1.0))
+            g = (g * (keep / n)).to(dtype)
+            grad_h[part] = (g @ w).to(h.dtype)
             grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
@@ -64,10 +69,12 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         with torch.autocast(device, enabled=False):
             return _LinearCrossEntropy.apply(hidden, weight, targets, vocab_size, chunk, dtype)
-    w = weight.to(dtype)
+    w, valid = weight.to(dtype), targets != IGNORE
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
-        logits = _chunk_logits(hidden[start : start + chunk].to(dtype), w, vocab_size)
-        tc = targets[start : start + chunk]
-        total = total + (torch.logsumexp(logits, -1) - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-    return total / hidden.shape[0]
+        part = slice(start, start + chunk)
+        logits = _chunk_logits(hidden[part].to(dtype), w, vocab_size)
+        tc = targets[part].clamp(min=0)[:, None]
+        per_token = torch.logsumexp(logits, -1, keepdim=True) - logits.gather(1, tc)
+        total = total + (per_token * valid[part, None]).sum()
+    return total / valid.sum().clamp(min=1)
