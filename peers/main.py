@@ -152,6 +152,13 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a local rank's signal can land while it handles a lost rank 0: still 130
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     trainer = dht = ranks = None
     try:
