@@ -1,0 +1,150 @@
+"""One peer over several local ranks: ``torchrun --nproc-per-node 2 -m peers.main`` (gloo on CPU) trains one
+peer with DDP; only rank 0 talks to the swarm. Real processes on 127.0.0.1; every rank saves its weights
+whenever the ranks are checked (``SWARM_RANK_DUMPS=1``), so the tests compare them independently of the
+logged digest."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
+from swarm.train.metrics_log import read_metrics
+from tests.conftest import ROOT, peer_cmd, reap, round_records, swarm_peer_args, wait_until
+
+pytestmark = pytest.mark.timeout(150)
+
+# 2 ranks and another peer share 2 cores: one thread each; gloo stays on loopback; ranks dump weights
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "SWARM_RANK_DUMPS": "1"}
+STEP_TOKENS = 4 * 32  # micro_batch x seq_len of the tiny config, per rank
+
+
+def start_two_ranks(args: list[str], log: Path) -> subprocess.Popen:
+    """``torchrun --standalone --nproc-per-node 2 -m peers.main ARGS`` (torchrun as ``python -m
+    torch.distributed.run`` of the running interpreter), in its own process group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--shutdown-timeout", "60", "-m", "peers.main", "--no-progress", *args]
+    with open(log, "a") as fh:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=ENV, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def rank_dumps(run: Path) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """``{"round-step50": [rank 0's weights, rank 1's], ...}`` from ``run/rank_dumps``."""
+    out: dict[str, list] = {}
+    for path in sorted((run / "rank_dumps").glob("*-rank*.safetensors")):
+        point, _, rank = path.stem.rpartition("-rank")
+        out.setdefault(point, [None, None])[int(rank)] = load_file(path)
+    return out
+
+
+def assert_ranks_equal(run: Path) -> dict[str, list]:
+    dumps = rank_dumps(run)
+    for point, (r0, r1) in dumps.items():
+        assert r0 is not None and r1 is not None, point
+        assert r0.keys() == r1.keys()
+        for k in r0:
+            assert torch.equal(r0[k], r1[k]), (point, k)
+    return dumps
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_two_rank_peer_in_a_swarm(tiny_config, tmp_path, bootstrap_peer):
+    ranked, plain = tmp_path / "ranked", tmp_path / "plain"
+    stop_at = str(time.time() + 35)  # a shared stop: both peers meet for the last round
+    procs = [
+        start_two_ranks(
+            swarm_peer_args(tiny_config, bootstrap_peer, ranked, "--stop-at", stop_at), tmp_path / "r.log"
+        ),
+        subprocess.Popen(
+            peer_cmd(*swarm_peer_args(tiny_config, bootstrap_peer, plain, "--stop-at", stop_at)),
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "p.log", "w"),
+            start_new_session=True,
+        ),
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        reap(procs)
+    assert codes == [0, 0], (
+        (tmp_path / "r.log").read_text()[-3000:],
+        (tmp_path / "p.log").read_text()[-3000:],
+    )
+    assert not any(group_alive(p) for p in procs)
+
+    # the ranks hold equal weights after every applied round and after training (compared here, tensor by
+    # tensor), and the digest rank 0 logged agrees
+    dumps = assert_ranks_equal(ranked)
+    assert any(p.startswith("round-") for p in dumps) and any(p.startswith("trained-") for p in dumps), dumps
+    metrics = read_metrics(ranked / "metrics.jsonl")
+    checks = [r for r in metrics if "ranks_weight_spread" in r]
+    assert checks and all(r["ranks"] == 2 and r["ranks_weight_spread"] == 0.0 for r in checks), checks
+    assert any(r.get("ranks_check") == "end of training" for r in checks)
+    # a step of the peer is a step of both ranks
+    steps = [r for r in metrics if "loss" in r]
+    assert steps and all(r["tokens"] == r["step"] * 2 * STEP_TOKENS for r in steps)
+
+    # the swarm saw two peers: the two-rank process is one of them
+    rounds = {run.name: round_records(run) for run in (ranked, plain)}
+    applied = {name: [r for r in rs if "dense" in r.get("applied_groups", [])] for name, rs in rounds.items()}
+    assert all(applied.values()), rounds
+    assert all(r["dense_group"] <= 2 for rs in rounds.values() for r in rs)
+    assert any(r["dense_group"] == 2 for r in applied["plain"]), rounds["plain"]
+    ids = {m for rs in rounds.values() for r in rs for m in r.get("members", {}).get("dense", [])}
+    assert len(ids) == 2, ids
+    # rank 0's checkpoint holds the weights both ranks ended with
+    ckpt = load_checkpoint(latest_checkpoint(ranked / "checkpoints"))
+    last = max((p for p in dumps if p.startswith("round-")), key=lambda p: int(p.rpartition("step")[2]))
+    if int(last.rpartition("step")[2]) == ckpt.step:  # the last round was applied: its broadcast is final
+        for k, v in ckpt.model.items():
+            assert torch.equal(v, dumps[last][1][k]), k
+
+
+def test_two_rank_solo_peer_stops_cleanly_on_sigterm(tiny_config, tmp_path):
+    run, log = tmp_path / "solo", tmp_path / "solo.log"
+    proc = start_two_ranks(
+        ["--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "100000"], log
+    )
+    try:
+        wait_until(
+            lambda: (
+                (run / "metrics.jsonl").exists()
+                and any(r.get("step", 0) >= 20 for r in read_metrics(run / "metrics.jsonl"))
+            ),
+            60,
+            "20 steps",
+        )
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+        sent = time.time()
+        proc.wait(timeout=40)
+        took = time.time() - sent
+    finally:
+        reap([proc])
+    out = log.read_text()
+    assert took < 15, out[-3000:]
+    time.sleep(0.5)
+    assert not group_alive(proc), out[-3000:]  # no rank left behind
+    # both ranks stopped at the same step; the one traceback allowed is torchrun's own SignalException
+    assert out.count("interrupted at step") == 1 and out.count("Traceback") <= 1, out[-3000:]
+    ckpt = latest_checkpoint(run / "checkpoints")  # rank 0 wrote its checkpoint on the way out
+    assert ckpt is not None and load_checkpoint(ckpt).step >= 20
+    with contextlib.suppress(FileNotFoundError):
+        assert_ranks_equal(run)
