@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import signal
 import sys
 import time
@@ -98,6 +99,10 @@ def _terminate_once(signum, frame):
     raise KeyboardInterrupt
 
 
+def _own_process_group() -> None:
+    os.setpgid(0, 0)
+
+
 def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
     from swarm.net.dht_node import start_dht
@@ -173,6 +178,10 @@ def _main(argv: list[str] | None) -> int:
             signal.signal(signal.SIGTERM, _terminate_once)
             signal.signal(signal.SIGINT, _terminate_once)
             ranks.init(pick_device(cfg.train.device), timeout_s=collective_timeout_s(cfg))
+            if ranks.is_leader and not args.solo:
+                # torchrun signals each rank's whole process group: hivemind's processes (DHT, averagers,
+                # p2pd) get groups of their own, so that rank 0 leaves the swarm in order, as a plain peer
+                os.register_at_fork(after_in_child=_own_process_group)
         if pick_device(cfg.train.device).type == "cpu":
             keep_freed_memory()
         leader = ranks is None or ranks.is_leader
@@ -215,7 +224,7 @@ def _main(argv: list[str] | None) -> int:
             # rank 0 runs the same code, so any other error shows there with its traceback too
             if isinstance(e, RuntimeError):
                 why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                print(f"error: local rank {ranks.rank} stopped: {why}", file=sys.stderr)
+                print(f"local rank {ranks.rank} stopped: rank 0 left ({why})", file=sys.stderr)
                 return 130 if _interrupted else 1
             raise
         from swarm.net.dht_node import DHTStartError
