@@ -15,14 +15,17 @@ winner from the same digests, so no further messages are needed.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from swarm.model import MoETransformer
 from swarm.net.averaging import AveragingGroup, download_state
-from swarm.net.expert_tensors import overwrite, snapshot
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, snapshot
+from swarm.net.records import Heartbeat
 from swarm.net.round_consensus import digest, digests_agree
 from swarm.sync import RejectedTensor, check_tensors
 
@@ -35,6 +38,23 @@ class FinalGroup:
     group: AveragingGroup
     tensors: list[torch.Tensor]
     others: set[str]
+
+
+def final_groups(
+    peers: Mapping[str, Heartbeat],
+    me: str,
+    dense_group: AveragingGroup,
+    expert_groups: Mapping[int, AveragingGroup],
+    model: MoETransformer,
+) -> dict[str, FinalGroup]:
+    """The groups to settle: the dense weights among every other finishing peer, each of our experts among
+    its finishing holders."""
+    ending = {p for p, hb in peers.items() if hb.state in ("finishing", "done")} - {me}
+    groups = {"dense": FinalGroup(dense_group, dense_tensors(model), ending)}
+    for e, group in expert_groups.items():
+        holders = {p for p, hb in peers.items() if e in hb.experts}
+        groups[f"expert{e}"] = FinalGroup(group, expert_tensors(model, e), ending & holders)
+    return groups
 
 
 def winner(copies: dict[str, list[float]]) -> str:

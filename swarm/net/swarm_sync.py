@@ -25,7 +25,8 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
-from swarm.net.averaging import AveragingGroup, download_state
+from swarm.net.averaging import AveragingGroup
+from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_tensors import (
     dense_tensors,
     expert_tensors,
@@ -36,15 +37,10 @@ from swarm.net.expert_tensors import (
     side_stream,
     snapshot,
 )
-from swarm.net.final_agreement import FinalGroup, agree_on_final_copies
-from swarm.net.records import (
-    Heartbeat,
-    expert_holders,
-    publish_heartbeat,
-    read_heartbeats,
-    withdraw_heartbeat,
-)
+from swarm.net.final_agreement import agree_on_final_copies, final_groups
+from swarm.net.membership import Membership
 from swarm.net.round_consensus import confirm_round, digest, group_key
+from swarm.net.timing import Timing
 from swarm.net.traffic import TrafficMeter
 from swarm.sync import (
     OuterStep,
@@ -53,8 +49,6 @@ from swarm.sync import (
     clamp_weight,
     merge_alpha_at,
     merge_experts,
-    orphan_claim_rank,
-    orphan_swap,
     should_merge,
 )
 from swarm.train.sync_hook import StepReport
@@ -79,7 +73,7 @@ class SwarmSync:
     def __init__(
         self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, final_at: float | None = None
     ) -> None:
-        self.cfg, self.dht, self.sc = cfg, dht, cfg.sync
+        self.cfg, self.dht, self.sc, self.timing = cfg, dht, cfg.sync, Timing.from_config(cfg.sync)
         self.run_id, self.me = cfg.run_id, dht.peer_id.to_base58()
         self.final_at = (
             final_at  # wall time at which all peers of a run that stop together meet for a last round
@@ -89,79 +83,34 @@ class SwarmSync:
         self.device = model.embed.weight.device
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
         self._group_kw = kw = dict(
-            matchmaking_time=self.sc.matchmaking_s,
-            allreduce_timeout=self.sc.round_timeout_s,
-            request_timeout=min(3.0, self.sc.matchmaking_s / 2),
+            matchmaking_time=self.timing.matchmaking_s,
+            allreduce_timeout=self.timing.round_s,
+            request_timeout=self.timing.request_s,
         )
         self.dense_group = AveragingGroup(dht, f"{self.run_id}_dense", dense_tensors(model), **kw)
         self.expert_groups = {
             e: AveragingGroup(dht, f"{self.run_id}_expert{e}", expert_tensors(model, e), **kw)
             for e in self.local
         }
-        self.heartbeat = Heartbeat(experts=self.local, state="training", period_s=self.sc.heartbeat_s)
         self.traffic = TrafficMeter(dht.pid)
-        self.holders: dict[int, set[str]] = {e: set() for e in range(self.n_experts)}
-        self.peers: dict[str, Heartbeat] = {}
         self._tokens = 0
         self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
         self._round_index = 0
         self._step_tokens = 0
         self._finishing = False
-        self._download_failures: list[str] = []
-        self._last_step_time: float | None = None
+        self.downloads = ExpertDownloads(dht, self.run_id, self.timing.download_s, self.sc.max_rel_distance)
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._hb_lock = threading.Lock()
-        self._claimed: list[int] | None = None  # an orphan claim published but not yet switched to
         self._retired: list[AveragingGroup] = []  # groups of experts given up, shut down between rounds
-        self._orphaned: dict[int, float] = {}  # expert -> since when (monotonic) it has had no live holder
-        self.refresh_peers()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
-        self._hb_thread.start()
-
-    # -- membership ---------------------------------------------------------------------------------------
-    def refresh_peers(self) -> None:
-        beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
-        if self.me not in beats:  # the DHT did not answer (or our record is not out yet): learn nothing
-            return
-        holders = expert_holders(beats, self.n_experts)
-        now = time.monotonic()
-        with self._hb_lock:
-            self.peers, self.holders = {p: hb for p, (hb, _) in beats.items()}, holders
-            for e, who in holders.items():
-                if who:
-                    self._orphaned.pop(e, None)
-                else:
-                    self._orphaned.setdefault(e, now)
-
-    def _heartbeat_loop(self) -> None:
-        # a fixed cadence, not "period after the last store and read": readers call a peer stale after two
-        # missed periods, and a loaded machine's DHT calls would otherwise stretch every period
-        tick = time.monotonic()
-        while not self._stop.is_set():
-            with self._hb_lock:
-                hb = Heartbeat(**vars(self.heartbeat))
-            publish_heartbeat(
-                self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
-            )
-            self.refresh_peers()
-            self._maybe_claim()
-            tick = max(tick + self.sc.heartbeat_s, time.monotonic() - self.sc.heartbeat_s)
-            self._stop.wait(max(0.0, tick - time.monotonic()))
+        self.members = Membership(
+            dht, self.run_id, self.timing, self.local, self.n_experts, self.sc.orphan_grace_s
+        )
 
     # -- the hook -----------------------------------------------------------------------------------------
     def after_step(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
         self._tokens += report.step_tokens
         self._expert_tokens += report.expert_tokens.cpu()
-        now = time.monotonic()
-        with self._hb_lock:
-            hb = self.heartbeat
-            if self._last_step_time is not None and now > self._last_step_time:  # smoothed tokens/s
-                rate = report.step_tokens / (now - self._last_step_time)
-                hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
-            hb.step, hb.tokens, hb.loss = report.step, report.tokens, report.loss
-        self._last_step_time = now
+        self.members.report_step(report.step, report.tokens, report.loss, report.step_tokens)
         if report.step_tokens:
             self._step_tokens = report.step_tokens
         records = []
@@ -194,40 +143,12 @@ class SwarmSync:
         opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
         if self.final_at is None:
             return False
-        matchmaking = self.sc.matchmaking_s + self.sc.round_timeout_s / 4  # an ordinary step's time limit
-        return time.time() + matchmaking >= self.final_at - self.sc.matchmaking_s
+        t = self.timing
+        return time.time() + t.ordinary_matchmaking_s >= self.final_at - t.matchmaking_s
 
     def wanted_experts(self) -> list[int] | None:
-        """The experts this peer has claimed but not switched to yet (see ``_maybe_claim``), or None."""
-        return self._claimed
-
-    def _maybe_claim(self) -> None:
-        """An orphan re-claim (DESIGN: "Joining, claiming, leaving"): when an expert has had no live holder
-        for ``orphan_grace_s`` and all our experts have another holder, give up our most replicated expert
-        for it. Eligible peers wait their rank (``orphan_claim_rank``) in extra heartbeat periods, and the
-        claim is published at once from this (heartbeat) thread, so the next in rank sees it in time; the
-        trainer switches at its next step."""
-        if self._finishing or self._claimed is not None:
-            return
-        with self._hb_lock:
-            holders = {e: set(who) for e, who in self.holders.items()}
-            now = time.monotonic()
-            ages = {e: now - since for e, since in self._orphaned.items()}
-        swap = orphan_swap(self.local, holders, ages, self.sc.orphan_grace_s, self.me)
-        if swap is None:
-            return
-        give, take = swap
-        rank = orphan_claim_rank(take, holders, self.me)
-        if rank is None or ages[take] < self.sc.orphan_grace_s + 2 * rank * self.sc.heartbeat_s:
-            return
-        claimed = sorted(set(self.local) - {give} | {take})
-        with self._hb_lock:
-            self._claimed = claimed
-            self.heartbeat.experts = list(claimed)
-            hb = Heartbeat(**vars(self.heartbeat))
-        publish_heartbeat(
-            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
-        )
+        """The experts this peer has claimed for an orphan but not switched to yet, or None."""
+        return self.members.claimed
 
     def experts_changed(self, model: MoETransformer) -> None:
         """The trainer switched experts: leave the old experts' groups, join the new ones, tell the swarm."""
@@ -243,77 +164,42 @@ class SwarmSync:
                 self.dht, f"{self.run_id}_expert{e}", expert_tensors(model, e), **self._group_kw
             )
         self.local = new
-        with self._hb_lock:
-            self._claimed = None
-            self.heartbeat.experts = list(new)
-            for e in came:
-                self._orphaned.pop(e, None)
-                self.holders[e].add(self.me)
-            hb = Heartbeat(**vars(self.heartbeat))
-        publish_heartbeat(
-            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
-        )
+        self.members.set_experts(new)
 
     def finish(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
         records = []
         if self._in_flight is not None:
-            self._in_flight.join(timeout=self.sc.round_timeout_s + 5)
+            self._in_flight.join(timeout=self.timing.join_round_s)
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
         self._finishing = True
-        with self._hb_lock:  # a claim the trainer did not switch to in time is void: we hold what we hold
-            self._claimed, self.heartbeat.experts = None, list(self.local)
-        self._set_state("finishing")
+        self.members.set_state("finishing")  # a claim the trainer did not switch to in time is void
         scheduled = None
         if self.final_at is not None:  # every peer of the run meets at the same moment for the last round
-            scheduled = max(self.final_at, time.time() + self.sc.matchmaking_s)
+            scheduled = max(self.final_at, time.time() + self.timing.matchmaking_s)
         self._start_round(model, report.step, scheduled)
-        self._in_flight.join(timeout=self.sc.round_timeout_s + max(0.0, (scheduled or 0) - time.time()) + 5)
+        self._in_flight.join(timeout=self.timing.join_round_s + max(0.0, (scheduled or 0) - time.time()))
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()) | {"final": True})
         adopted, unsettled = self._agree_on_final_copies(model, report.step)
         if records:
             records[-1].update(final_adopted=adopted, final_unsettled=unsettled)
             records[-1]["applied"] = records[-1]["applied"] or bool(adopted)
-        self._linger()
+        # keep serving our experts until the others have finished their last round too (they may still be
+        # downloading from us, or settling their replicas), at most a round timeout
+        self.members.set_state("done")
+        self.members.wait_until_others_done(self.timing.round_s)
         return records
 
     def _agree_on_final_copies(self, model: MoETransformer, step: int) -> tuple[list[str], list[str]]:
-        beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
-        ending = {p for p, (hb, _) in beats.items() if hb.state in ("finishing", "done")} - {self.me}
-        groups = {"dense": FinalGroup(self.dense_group, dense_tensors(model), ending)}
-        for e in self.local:
-            holders = {p for p, (hb, _) in beats.items() if e in hb.experts}
-            groups[f"expert{e}"] = FinalGroup(
-                self.expert_groups[e], expert_tensors(model, e), ending & holders
-            )
-
-        meta = {"step": step, "round": self._round_index, "final": True}
-        timeout = min(10.0, self.sc.round_timeout_s / 3)
-        # peers reach this point up to a round timeout apart (a late one may still have been in a round)
-        window = self.sc.round_timeout_s + self.sc.matchmaking_s + 2 * timeout
+        self.members.refresh()
+        peers = self.members.view.peers
+        groups = final_groups(peers, self.me, self.dense_group, self.expert_groups, model)
+        meta, t = {"step": step, "round": self._round_index, "final": True}, self.timing
         return agree_on_final_copies(
-            self.dht, self.run_id, self.me, groups, meta, timeout, self.sc.max_rel_distance, window
-        )
-
-    def _set_state(self, state: str) -> None:
-        with self._hb_lock:
-            self.heartbeat.state = state
-            hb = Heartbeat(**vars(self.heartbeat))
-        publish_heartbeat(
-            self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s, timeout=self.sc.heartbeat_s
-        )
-
-    def _linger(self) -> None:
-        """Keep serving our experts until the other live peers have finished their last round too (they may
-        still be downloading from us, or settling their replicas), at most a round timeout."""
-        self._set_state("done")
-        deadline = time.monotonic() + self.sc.round_timeout_s
-        while time.monotonic() < deadline:
-            beats = read_heartbeats(self.dht, self.run_id, timeout=self.sc.heartbeat_s)
-            if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):
-                return
-            time.sleep(0.5)
+            self.dht, self.run_id, self.me, groups, meta, t.final_agreement_s, self.sc.max_rel_distance,
+            t.final_window_s,
+        )  # fmt: skip
 
     def _start_round(self, model: MoETransformer, step: int, scheduled: float | None = None) -> None:
         self._round_index += 1
@@ -341,10 +227,11 @@ class SwarmSync:
         if scheduled is not None:
             # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
             # whichever ordinary round another peer is in: start looking only when the shared window opens
-            time.sleep(max(0.0, scheduled - self.sc.matchmaking_s - time.time()))
+            time.sleep(max(0.0, scheduled - self.timing.matchmaking_s - time.time()))
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
-        deadline = time.monotonic() + wait + self.sc.round_timeout_s
-        self.refresh_peers()  # who holds what, as of now: a sole holder skips averaging its expert
+        deadline = time.monotonic() + wait + self.timing.round_s
+        self.members.refresh()  # who holds what, as of now: a sole holder skips averaging its expert
+        view = self.members.view
         wire0 = self.traffic.total()
         result = RoundResult(index, step)
         rec = result.record
@@ -355,7 +242,7 @@ class SwarmSync:
         final = scheduled is not None or self._finishing
         info = {"step": step, "round": index, "final": final}
         controls = {}
-        mm = wait + self.sc.matchmaking_s + self.sc.round_timeout_s / 4
+        mm = wait + self.timing.ordinary_matchmaking_s
         controls["dense"] = self.dense_group.start(
             dense,
             max(1.0, clamp_weight(weights["dense"], max_w)),
@@ -364,7 +251,7 @@ class SwarmSync:
             scheduled,
         )
         for e in experts:
-            if self.holders.get(e, set()) - {self.me}:
+            if view.holders.get(e, frozenset()) - {self.me}:
                 w = clamp_weight(weights[e], max_w)
                 controls[e] = groups[e].start(experts[e], max(w, 1.0), info | {"weight": w}, mm, scheduled)
             else:  # sole holder: nothing to average, but serve our copy to downloaders
@@ -390,11 +277,12 @@ class SwarmSync:
                 sent += int(2 * sum(t.numel() * 4 for t in local) * (size - 1) / size)  # received: as much
         recv = sent
         for e, mine in frozen.items():
-            got = self._download(e, mine, step, final, deadline, rec)
+            from_peers = [(p, view.step_of(p)) for p in view.holders.get(e, frozenset()) - {self.me}]
+            got = self.downloads.fetch(e, from_peers, mine, step, final, deadline, rec["rejected"])
             if got is not None:
                 result.downloads[e] = got
                 recv += nbytes(got)  # as it came off the wire (fp16), kept so until it is applied
-        rec["download_failures"], self._download_failures = self._download_failures, []
+        rec["download_failures"] = self.downloads.take_failures()
         self._merge(result, experts, frozen, step, index)
         wire1 = self.traffic.total()
         rec.update(bytes_sent=sent, bytes_recv=recv, sync_seconds=round(time.monotonic() - t0, 3))
@@ -442,57 +330,6 @@ class SwarmSync:
             return None, size
         return outcome.tensors, size
 
-    def _fresh_state(self, peer: str, e: int, step: int, final: bool, deadline: float):
-        """Expert e as served by ``peer``, waiting (until the deadline) while the holder is still finishing
-        the same round: its result is the copy worth having. A holder behind us is taken as it is."""
-        empty_answers = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0.5:
-                return None
-            got = download_state(
-                self.dht, peer, f"{self.run_id}_expert{e}", timeout=min(left, self.sc.download_timeout_s)
-            )
-            if got is None:
-                self._download_failures.append(f"expert{e} from {peer[-8:]}: no answer")
-                return None
-            if not isinstance(got[0], dict) or not isinstance(got[0].get("step"), int):
-                # an averager answers with nothing while it is not sharing state yet: ask again shortly
-                # (for a last round until the deadline: that copy is the one every peer must end with)
-                empty_answers += 1
-                if empty_answers >= 5 and not final:
-                    why = f"no finished round (meta {str(got[0])[:60]})"
-                    self._download_failures.append(f"expert{e} from {peer[-8:]}: {why}")
-                    return None
-                time.sleep(0.5)
-                continue
-            fresh = bool(got[0].get("final")) if final else got[0]["step"] >= step
-            behind = self.peers.get(peer, Heartbeat([])).step < step
-            if fresh or behind:
-                return got
-            time.sleep(0.5)
-
-    def _download(
-        self, e: int, mine: list[torch.Tensor], step: int, final: bool, deadline: float, rec
-    ) -> list[torch.Tensor] | None:
-        holders = sorted(
-            self.holders.get(e, set()) - {self.me},
-            key=lambda p: -self.peers[p].step if p in self.peers else 0,
-        )
-        for peer in holders[:2]:
-            got = self._fresh_state(peer, e, step, final, deadline)
-            if got is None:
-                continue  # holder gone, or it has not finished a round yet
-            # fp16 on the wire, but hivemind restores the sender's dtype: keep the fp16 values (no loss)
-            tensors = [t.half() if t.dtype == torch.float32 else t for t in got[1]]
-            try:
-                check_tensors(f"expert{e}", tensors, mine, self.sc.max_rel_distance)
-            except RejectedTensor as err:
-                rec["rejected"].append(str(err))
-                continue
-            return tensors
-        return None
-
     def _merge(self, result: RoundResult, experts, frozen, step: int, index: int) -> None:
         sc = self.sc
         local = sorted(experts)  # this round's local experts (a switch may have happened since)
@@ -531,13 +368,7 @@ class SwarmSync:
         rec["applied"] = bool(applied) or bool(result.downloads)
         rec["applied_groups"] = applied
         rec["downloaded"] = sorted(result.downloads)
-        with self._hb_lock:
-            hb = self.heartbeat
-            hb.last_round, hb.last_round_time = result.index, time.time()
-            hb.bytes_sent += rec.get("bytes_sent", 0)
-            hb.bytes_recv += rec.get("bytes_recv", 0)
-            hb.rounds_ok += int(not rec["rejected"])
-            hb.rounds_failed += int(bool(rec["rejected"]))
+        self.members.record_round(rec)
         return rec
 
     def _outer(
@@ -552,12 +383,8 @@ class SwarmSync:
 
     # -- leaving ------------------------------------------------------------------------------------------
     def close(self) -> None:
-        self._stop.set()
-        self._hb_thread.join(timeout=2 * self.sc.heartbeat_s)  # no heartbeat may land after the withdrawal
-        with self._hb_lock:
-            hb = Heartbeat(**vars(self.heartbeat))
-        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=3 * self.sc.heartbeat_s)  # at once
+        self.members.close()
         if self._in_flight is not None:
-            self._in_flight.join(timeout=self.sc.round_timeout_s)
+            self._in_flight.join(timeout=self.timing.round_s)
         for g in [self.dense_group, *self.expert_groups.values(), *self._retired]:
             g.shutdown()

@@ -1,0 +1,190 @@
+"""This peer's heartbeat and its view of the swarm: who is live, who holds which expert, which are orphans.
+
+    members = Membership(dht, "demo", timing, experts=[0, 1, 2, 3], orphan_grace_s=60.0)
+    members.view.holders[5]                  # an immutable view, swapped in whole after each read
+    members.report_step(step, tokens, loss, step_tokens)
+    members.claimed                          # experts claimed for an orphan but not switched to yet, or None
+    members.set_experts([0, 2, 3, 5])        # after the trainer switched
+    members.record_round(rec)                # a round's outcome, for the heartbeat
+    members.close()                          # stops the thread and withdraws the heartbeat at once
+
+A thread publishes the heartbeat at a fixed cadence (readers call a peer stale after two missed periods, so
+a loaded machine's DHT latency must not stretch the period), reads everyone's, and decides orphan claims
+(DESIGN: "Joining, claiming, leaving"). Other threads read ``view`` without a lock: it is never edited.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import hivemind
+
+from swarm.net.records import (
+    Heartbeat,
+    expert_holders,
+    publish_heartbeat,
+    read_heartbeats,
+    withdraw_heartbeat,
+)
+from swarm.net.timing import Timing
+from swarm.sync import orphan_claim_rank, orphan_swap
+
+
+@dataclass(frozen=True)
+class MembershipView:
+    """The swarm as of one heartbeat read. ``orphaned_since``: expert -> monotonic time since when it has
+    had no live holder."""
+
+    peers: Mapping[str, Heartbeat] = field(default_factory=dict)
+    holders: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    orphaned_since: Mapping[int, float] = field(default_factory=dict)
+
+    def step_of(self, peer: str) -> int:
+        hb = self.peers.get(peer)
+        return hb.step if hb is not None else 0
+
+
+class Membership:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        timing: Timing,
+        experts: list[int],
+        n_experts: int,
+        orphan_grace_s: float,
+    ) -> None:
+        self.dht, self.run_id, self.me, self.timing = dht, run_id, dht.peer_id.to_base58(), timing
+        self.n_experts, self.orphan_grace_s = n_experts, orphan_grace_s
+        self.view = MembershipView(holders={e: frozenset() for e in range(n_experts)})
+        self._local = list(experts)
+        self._hb = Heartbeat(experts=list(experts), state="training", period_s=timing.heartbeat_s)
+        self._lock = threading.Lock()  # guards _hb, _claimed, _local, _finishing
+        self._claimed: list[int] | None = None
+        self._finishing = False
+        self._last_step_time: float | None = None
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
+        self._thread.start()
+
+    # -- reading the swarm ---------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        beats = read_heartbeats(self.dht, self.run_id, timeout=self.timing.heartbeat_s)
+        if self.me not in beats:  # the DHT did not answer (or our record is not out yet): learn nothing
+            return
+        holders = expert_holders(beats, self.n_experts)
+        now, before = time.monotonic(), self.view.orphaned_since
+        orphaned = {e: before.get(e, now) for e, who in holders.items() if not who}
+        self.view = MembershipView(
+            MappingProxyType({p: hb for p, (hb, _) in beats.items()}),
+            MappingProxyType({e: frozenset(who) for e, who in holders.items()}),
+            MappingProxyType(orphaned),
+        )
+
+    def wait_until_others_done(self, timeout: float) -> None:
+        """Until every other live peer says it is done (it may still download from us), at most ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            beats = read_heartbeats(self.dht, self.run_id, timeout=self.timing.heartbeat_s)
+            if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):
+                return
+            time.sleep(0.5)
+
+    # -- our heartbeat -------------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        with self._lock:
+            hb = replace(self._hb, experts=list(self._hb.experts))
+        t = self.timing
+        publish_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=t.record_ttl_s, timeout=t.heartbeat_s)
+
+    def report_step(self, step: int, tokens: int, loss: float, step_tokens: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            hb, last = self._hb, self._last_step_time
+            if last is not None and now > last:  # smoothed tokens/s
+                rate = step_tokens / (now - last)
+                hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
+            hb.step, hb.tokens, hb.loss = step, tokens, loss
+            self._last_step_time = now
+
+    def record_round(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            hb = self._hb
+            hb.last_round, hb.last_round_time = rec["round"], time.time()
+            hb.bytes_sent += rec.get("bytes_sent", 0)
+            hb.bytes_recv += rec.get("bytes_recv", 0)
+            hb.rounds_ok += int(not rec["rejected"])
+            hb.rounds_failed += int(bool(rec["rejected"]))
+
+    def set_state(self, state: str) -> None:
+        """Publish ``state`` now. From "finishing" on, no orphan is claimed and a pending claim is void."""
+        with self._lock:
+            if state != "training":
+                self._finishing, self._claimed, self._hb.experts = True, None, list(self._local)
+            self._hb.state = state
+        self._publish()
+
+    # -- claims --------------------------------------------------------------------------------------------
+    @property
+    def claimed(self) -> list[int] | None:
+        return self._claimed
+
+    def set_experts(self, experts: list[int]) -> None:
+        """We train ``experts`` now (after an orphan claim): tell the swarm at once."""
+        with self._lock:
+            came = set(experts) - set(self._local)
+            self._local, self._claimed, self._hb.experts = list(experts), None, list(experts)
+        view = self.view
+        holders = {e: who | {self.me} if e in came else who for e, who in view.holders.items()}
+        orphaned = {e: t for e, t in view.orphaned_since.items() if e not in came}
+        self.view = MembershipView(view.peers, MappingProxyType(holders), MappingProxyType(orphaned))
+        self._publish()
+
+    def _maybe_claim(self) -> None:
+        """When an expert has had no live holder for ``orphan_grace_s`` and all our experts have another
+        holder, give up our most replicated expert for it. Eligible peers wait their rank
+        (``orphan_claim_rank``) in extra heartbeat periods, and the claim is published at once, so the next
+        in rank sees it in time; the trainer switches at its next step."""
+        with self._lock:
+            if self._finishing or self._claimed is not None:
+                return
+            local = list(self._local)
+        view, now = self.view, time.monotonic()
+        holders = {e: set(who) for e, who in view.holders.items()}
+        ages = {e: now - since for e, since in view.orphaned_since.items()}
+        swap = orphan_swap(local, holders, ages, self.orphan_grace_s, self.me)
+        if swap is None:
+            return
+        give, take = swap
+        rank = orphan_claim_rank(take, holders, self.me)
+        if rank is None or ages[take] < self.orphan_grace_s + 2 * rank * self.timing.heartbeat_s:
+            return
+        with self._lock:
+            self._claimed = sorted(set(local) - {give} | {take})
+            self._hb.experts = list(self._claimed)
+        self._publish()
+
+    # -- the thread ----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            self._publish()
+            self.refresh()
+            self._maybe_claim()
+            tick = max(tick + self.timing.heartbeat_s, time.monotonic() - self.timing.heartbeat_s)
+            self._stop.wait(max(0.0, tick - time.monotonic()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.timing.heartbeat_s)  # no heartbeat may land after the withdrawal
+        with self._lock:
+            hb = replace(self._hb, experts=list(self._hb.experts))
+        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=self.timing.record_ttl_s)  # at once

@@ -1,0 +1,52 @@
+"""Every wait of the swarm layer, derived once from the sync config so that each bound has one name.
+
+timing = Timing.from_config(cfg.sync)
+group.finish(control, timeout=timing.round_s)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.config import SyncConfig
+
+
+@dataclass(frozen=True)
+class Timing:
+    matchmaking_s: float  # how long a round waits for partners to show up
+    round_s: float  # a round (matchmaking, all-reduce, checks, downloads) never takes longer
+    download_s: float  # one download of a tensor group
+    heartbeat_s: float  # the heartbeat period; readers call a peer stale after two missed periods
+    request_s: float  # one averaging request or streamed chunk
+    final_agreement_s: float  # one step of the final agreement (a digest read, a download)
+
+    @classmethod
+    def from_config(cls, sc: SyncConfig) -> Timing:
+        return cls(
+            matchmaking_s=sc.matchmaking_s,
+            round_s=sc.round_timeout_s,
+            download_s=sc.download_timeout_s,
+            heartbeat_s=sc.heartbeat_s,
+            request_s=min(3.0, sc.matchmaking_s / 2),
+            final_agreement_s=min(10.0, sc.round_timeout_s / 3),
+        )
+
+    @property
+    def record_ttl_s(self) -> float:
+        """Heartbeats expire after three periods: a peer that stops publishing is gone soon after."""
+        return 3 * self.heartbeat_s
+
+    @property
+    def ordinary_matchmaking_s(self) -> float:
+        """How long an ordinary round's averaging step may look for a group."""
+        return self.matchmaking_s + self.round_s / 4
+
+    @property
+    def final_window_s(self) -> float:
+        """Peers reach the final agreement up to a round apart (a late one may still have been in a round)."""
+        return self.round_s + self.matchmaking_s + 2 * self.final_agreement_s
+
+    @property
+    def join_round_s(self) -> float:
+        """How long leaving waits for a round in flight to end (its own timeout, plus a margin)."""
+        return self.round_s + 5
