@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, timeout: int = 120) -> dict:
+def _stdout(script: str, *args: str, timeout: int) -> str:
+    """Run a benchmark script; its standard output, after checking that it exited 0."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
@@ -27,8 +28,12 @@ def _run(script: str, *args: str, timeout: int = 120) -> dict:
         timeout=timeout,
         check=False,
     )
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _run(script: str, *args: str, timeout: int = 120) -> dict:
+    return json.loads(_stdout(script, *args, timeout=timeout))
 
 
 def test_memory_benchmark_tiny():
@@ -63,16 +68,8 @@ def test_step_speed_benchmark_tiny():
 
 def _run_lines(script: str, *args: str, timeout: int = 180) -> list[dict]:
     """Run a benchmark that prints one JSON object per line; return the objects."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    stdout = _stdout(script, *args, timeout=timeout)
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def test_gpu_step_benchmark_cpu_tiny():

@@ -7,6 +7,7 @@ from swarm.config import ModelConfig, TrainConfig, config_from_dict
 from swarm.model import MoETransformer
 from swarm.model.hf_olmoe import from_olmoe_state_dict, olmoe_config, to_olmoe_state_dict
 from swarm.train import build_optimizer, training_state_bytes
+from swarm.train.optimizer import load_optimizer_tensors, optimizer_tensors
 
 SMALL = dict(
     vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_experts=16, expert_hidden=32, top_k=2, max_seq_len=64
@@ -155,6 +156,13 @@ def test_vocabulary_is_padded_inside_only():
     other = _model(local=[0, 1], vocab_size=250)
     other.load_canonical_state_dict(model.canonical_state_dict())
     assert torch.equal(other.lm_head.weight, model.lm_head.weight)
+    # so do the optimizer moments a checkpoint holds: saved at the true size, padded again on load
+    saved = optimizer_tensors(model, opt)
+    assert saved["lm_head.weight/exp_avg"].shape == (250, model.cfg.d_model)
+    other_opt = build_optimizer(other, TrainConfig())
+    load_optimizer_tensors(other, other_opt, saved)
+    for slot in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(other_opt.state[other.lm_head.weight][slot], opt.state[model.lm_head.weight][slot])
 
 
 def _train_steps_vocab(model, vocab, steps=2):
