@@ -25,7 +25,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
-from swarm.net.averaging import AveragingGroup
+from swarm.net.averaging import AveragingGroup, shutdown_groups
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_tensors import (
     dense_tensors,
@@ -117,8 +117,7 @@ class SwarmSync:
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
         if self._retired and not (self._in_flight is not None and self._in_flight.is_alive()):
-            for group in self._retired:
-                group.shutdown()
+            shutdown_groups(self._retired)
             self._retired.clear()
         if report.step % self.sc.sync_every == 0 and not report.last:  # a last step gets the last round
             if self._in_flight is not None and self._in_flight.is_alive():
@@ -386,5 +385,4 @@ class SwarmSync:
         self.members.close()
         if self._in_flight is not None:
             self._in_flight.join(timeout=self.timing.round_s)
-        for g in [self.dense_group, *self.expert_groups.values(), *self._retired]:
-            g.shutdown()
+        shutdown_groups([self.dense_group, *self.expert_groups.values(), *self._retired])
