@@ -7,7 +7,7 @@ What is measured
     CUDA tensors: NOTES.md):
 
     1. snapshot  ``swarm.net.expert_tensors.snapshot(dense_tensors(model))``: fp32 copies on the host
-    2. average   ``AveragingGroup.start`` on both peers, then ``finish``: the all-reduce in hivemind's own
+    2. average   ``AveragingGroup.start`` on both peers, then ``outcome``: the all-reduce in hivemind's own
                  processes (includes its minimum matchmaking time, ``--matchmaking-s``)
     3. apply     ``swarm.sync.OuterStep(alpha=1).apply(params, snapshot, average)`` on views of the
                  model's dense weights (``dense_tensors``): theta += a - s, moving to the device what it must
@@ -105,7 +105,7 @@ def measure_round(cfg, device: torch.device, matchmaking_s: float, timeout_s: fl
             for i, (g, s) in enumerate(zip(groups, snaps, strict=True))
         ]
         outcomes = [
-            g.finish(c, timeout=matchmaking_s + 2 * timeout_s) for g, c in zip(groups, controls, strict=True)
+            g.outcome(c, timeout=matchmaking_s + 2 * timeout_s) for g, c in zip(groups, controls, strict=True)
         ]
         average_s = time.perf_counter() - t0
         if not all(o.ok for o in outcomes):

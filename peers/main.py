@@ -151,8 +151,8 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         file=sys.stderr,
         flush=True,
     )
-    final_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
-    trainer.sync = SwarmSync(cfg, dht, trainer.model, final_at=final_at)
+    last_round_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
+    trainer.sync = SwarmSync(cfg, dht, trainer.model, last_round_at=last_round_at)
     return dht
 
 

@@ -23,7 +23,7 @@ def _member(i, maddrs, out):
         control = group.start(
             tensors, weight=float(i + 1), info={"i": i, "weight": i + 1}, matchmaking_timeout=20
         )
-        got = group.finish(control, timeout=40, meta={"step": 7})
+        got = group.outcome(control, timeout=40, meta={"step": 7})
         out.put(
             (
                 i,

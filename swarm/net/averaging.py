@@ -3,7 +3,7 @@
     group = AveragingGroup(dht, prefix="demo_expert3", tensors=[...], timeouts=...)
     control = group.start(snapshot, weight=tokens, info={...})   # returns at once; all-reduce runs in the
     ...                                                          # averager's own process
-    outcome = group.finish(control, timeout)                     # GroupOutcome: tensors + members, or why not
+    outcome = group.outcome(control, timeout)                    # GroupOutcome: tensors + members, or why not
 
 Peers that hold the same expert use the same prefix, so hivemind's matchmaking groups exactly them.
 Each group also serves its latest tensors (the last completed average, or our own snapshot when we are
@@ -138,7 +138,7 @@ class AveragingGroup:
             allow_retries=False,
         )
 
-    def finish(
+    def outcome(
         self, control: StepControl, timeout: float, meta: dict[str, Any] | None = None
     ) -> GroupOutcome:
         """Wait (at most ``timeout``) for the round; return the averaged tensors and who took part."""

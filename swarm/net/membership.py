@@ -66,9 +66,9 @@ class Membership:
         self.view = MembershipView(holders={e: frozenset() for e in range(n_experts)})
         self._local = list(experts)
         self._hb = Heartbeat(experts=list(experts), state="training", period_s=timing.heartbeat_s)
-        self._lock = threading.Lock()  # guards _hb, _claimed, _local, _finishing
+        self._lock = threading.Lock()  # guards _hb, _claimed, _local, _leaving
         self._claimed: list[int] | None = None
-        self._finishing = False
+        self._leaving = False
         self._last_step_time: float | None = None
         self._stop = threading.Event()
         self.refresh()
@@ -128,7 +128,7 @@ class Membership:
         """Publish ``state`` now. From "finishing" on, no orphan is claimed and a pending claim is void."""
         with self._lock:
             if state != "training":
-                self._finishing, self._claimed, self._hb.experts = True, None, list(self._local)
+                self._leaving, self._claimed, self._hb.experts = True, None, list(self._local)
             self._hb.state = state
         self._publish()
 
@@ -154,7 +154,7 @@ class Membership:
         (``orphan_claim_rank``) in extra heartbeat periods, and the claim is published at once, so the next
         in rank sees it in time; the trainer switches at its next step."""
         with self._lock:
-            if self._finishing or self._claimed is not None:
+            if self._leaving or self._claimed is not None:
                 return
             local = list(self._local)
         view, now = self.view, time.monotonic()

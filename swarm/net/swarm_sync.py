@@ -71,12 +71,12 @@ class SwarmSync:
     """See the module docstring."""
 
     def __init__(
-        self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, final_at: float | None = None
+        self, cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, last_round_at: float | None = None
     ) -> None:
         self.cfg, self.dht, self.sc, self.timing = cfg, dht, cfg.sync, Timing.from_config(cfg.sync)
         self.run_id, self.me = cfg.run_id, dht.peer_id.to_base58()
-        self.final_at = (
-            final_at  # wall time at which all peers of a run that stop together meet for a last round
+        self.last_round_at = (
+            last_round_at  # wall time at which all peers of a run that stop together meet for a last round
         )
         self.n_experts = cfg.model.n_experts
         self.local = list(model.local_experts)
@@ -97,7 +97,7 @@ class SwarmSync:
         self._expert_tokens = torch.zeros(self.n_experts, dtype=torch.long)
         self._round_index = 0
         self._step_tokens = 0
-        self._finishing = False
+        self._leaving = False
         self.downloads = ExpertDownloads(dht, self.run_id, self.timing.download_s, self.sc.max_rel_distance)
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
@@ -140,10 +140,10 @@ class SwarmSync:
     def _near_last_round(self) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
         opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
-        if self.final_at is None:
+        if self.last_round_at is None:
             return False
         t = self.timing
-        return time.time() + t.ordinary_matchmaking_s >= self.final_at - t.matchmaking_s
+        return time.time() + t.ordinary_matchmaking_s >= self.last_round_at - t.matchmaking_s
 
     def wanted_experts(self) -> list[int] | None:
         """The experts this peer has claimed for an orphan but not switched to yet, or None."""
@@ -165,17 +165,19 @@ class SwarmSync:
         self.local = new
         self.members.set_experts(new)
 
-    def finish(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
+    def last_round(self, model: MoETransformer, report: StepReport) -> list[dict[str, Any]]:
         records = []
         if self._in_flight is not None:
             self._in_flight.join(timeout=self.timing.join_round_s)
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
-        self._finishing = True
+        self._leaving = True
         self.members.set_state("finishing")  # a claim the trainer did not switch to in time is void
         scheduled = None
-        if self.final_at is not None:  # every peer of the run meets at the same moment for the last round
-            scheduled = max(self.final_at, time.time() + self.timing.matchmaking_s)
+        if (
+            self.last_round_at is not None
+        ):  # every peer of the run meets at the same moment for the last round
+            scheduled = max(self.last_round_at, time.time() + self.timing.matchmaking_s)
         self._start_round(model, report.step, scheduled)
         self._in_flight.join(timeout=self.timing.join_round_s + max(0.0, (scheduled or 0) - time.time()))
         while not self._results.empty():
@@ -238,7 +240,7 @@ class SwarmSync:
         # the same bound on every peer of the run (from the config, not from our own timing), so all members
         # of a group reach the same verdict on the weights they gathered
         max_w = MAX_WEIGHT_FACTOR * self.sc.sync_every * max(1, self._step_tokens)
-        final = scheduled is not None or self._finishing
+        final = scheduled is not None or self._leaving
         info = {"step": step, "round": index, "final": final}
         controls = {}
         mm = wait + self.timing.ordinary_matchmaking_s
@@ -260,7 +262,7 @@ class SwarmSync:
         for name, control in controls.items():
             group = self.dense_group if name == "dense" else groups[name]
             local = dense if name == "dense" else experts[name]
-            avg, size = self._finish(group, control, local, deadline, max_w, rec, name, info)
+            avg, size = self._verified_outcome(group, control, local, deadline, max_w, rec, name, info)
             if avg is None:  # keep serving a consistent copy (our snapshot) to peers that download it
                 group.publish(local, info)
             if name == "dense":
@@ -292,8 +294,8 @@ class SwarmSync:
             rec["wire_bytes"] = wire1 - wire0  # measured at our p2pd: both directions, overhead included
         self._results.put(result)
 
-    def _finish(self, group, control, local, deadline, max_w, rec, name, info):
-        outcome = group.finish(control, timeout=max(0.1, deadline - time.monotonic()), meta=info)
+    def _verified_outcome(self, group, control, local, deadline, max_w, rec, name, info):
+        outcome = group.outcome(control, timeout=max(0.1, deadline - time.monotonic()), meta=info)
         if not outcome.ok:
             rec["rejected"].append(f"{name}: {outcome.reason}")
             return None, 1

@@ -1,7 +1,7 @@
 """Every wait of the swarm layer, derived once from the sync config so that each bound has one name.
 
 timing = Timing.from_config(cfg.sync)
-group.finish(control, timeout=timing.round_s)
+group.outcome(control, timeout=timing.round_s)
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class SyncHook(Protocol):
         Returns per-round records to append to metrics.jsonl (empty when nothing happened)."""
         ...
 
-    def finish(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
         """Training is over: complete a last round synchronously (so replicas agree) and return records."""
         ...
 
@@ -51,7 +51,7 @@ class NoSync:
     def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
         return []
 
-    def finish(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
         return []
 
     def wanted_experts(self) -> list[int] | None:

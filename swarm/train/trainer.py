@@ -378,7 +378,7 @@ class Trainer:
             report = StepReport(
                 self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
             )
-            final = self.sync.finish(self.model, report)
+            final = self.sync.last_round(self.model, report)
             if self.ranks is not None:
                 self.ranks.share_decisions(self.model, self.step, final, None, True)
             for round_rec in final:
