@@ -3,7 +3,7 @@
 ``grouped_linear(x, w, counts)`` computes, for consecutive row groups of ``x`` (group g has ``counts[g]`` rows),
 ``x_g @ w[g].T``; ``w`` is [G, out, in] like ``nn.Linear`` weights stacked per expert.
 
-``split_bank_linear(x, w_local, w_frozen, counts, n_local)`` does the same over the concatenation of a
+``split_bank_linear(x, w_local, w_frozen, counts)`` does the same over the concatenation of a
 trainable bank and a frozen one (rows of local experts first) in ONE grouped GEMM, and differentiates only the
 local bank: the weight gradient is a grouped GEMM over the local rows alone (``grouped_mm`` ignores rows past
 its last offset in that form). Splitting the rows instead would need their count on the host, a device sync
@@ -111,7 +111,7 @@ class _SplitBankLinear(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> torch.dtype:
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     # grouped GEMMs are not autocast-aware: cast by hand so bf16 autocast covers the experts too
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)

@@ -25,6 +25,13 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, vocab_size: int) -> torch.Te
     return logits
 
 
+def _chunk_loss(h, w, targets, keep, vocab_size: int):
+    """A chunk's logits, their logsumexp, and the summed loss of its kept tokens (``targets`` clamped)."""
+    logits = _chunk_logits(h, w, vocab_size)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return logits, lse, ((lse - logits.gather(1, targets)) * keep).sum()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size: int, chunk: int, dtype: torch.dtype):
@@ -37,9 +44,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
             hc, tc, keep = h[part].to(dtype), targets[part].clamp(min=0)[:, None], valid[part, None]
-            logits = _chunk_logits(hc, w, vocab_size)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total = total + ((lse - logits.gather(1, tc)) * keep).sum()
+            logits, lse, loss = _chunk_loss(hc, w, tc, keep, vocab_size)
+            total = total + loss
             g = torch.exp(logits - lse)  # softmax; d(mean loss)/d(logits) = (softmax - onehot) / n
             g.scatter_add_(1, tc, torch.full_like(lse, -1.0))
             g = (g * (keep / n)).to(dtype)
@@ -73,8 +79,6 @@ def linear_cross_entropy(
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         part = slice(start, start + chunk)
-        logits = _chunk_logits(hidden[part].to(dtype), w, vocab_size)
         tc = targets[part].clamp(min=0)[:, None]
-        per_token = torch.logsumexp(logits, -1, keepdim=True) - logits.gather(1, tc)
-        total = total + (per_token * valid[part, None]).sum()
+        total = total + _chunk_loss(hidden[part].to(dtype), w, tc, valid[part, None], vocab_size)[2]
     return total / valid.sum().clamp(min=1)
