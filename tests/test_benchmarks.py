@@ -18,26 +18,67 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _stdout(script: str, *args: str, timeout: int) -> str:
-    """Run a benchmark script; its standard output, after checking that it exited 0."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        check=False,
-    )
+# name: the script and its arguments. The four runs start together, once per module: each is one process
+# (memory.py starts one more per variant) that spends most of its time importing or waiting, so that side by
+# side they take about as long as the slowest one alone.
+RUNS = {
+    "memory": ["memory.py", *"--tiny --layers 1 --threads 1 --json".split()],
+    "step_speed": ["step_speed.py", *"--tiny --layers 1 --threads 1 --warmup 1 --rounds 2 --json".split()],
+    "gpu_step": ["gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split()],
+    "gpu_step_bare": ["gpu_step.py"],  # no arguments: skips on a machine without CUDA
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: (Popen, stdout file, stderr file)}``: every script of RUNS, started at once (output to files,
+    so that no script waits on a full pipe while another is read). gpu_step.py without arguments runs its
+    full benchmark where CUDA is present: there it is left out."""
+    import torch
+
+    logs = tmp_path_factory.mktemp("benchmarks")
+    procs = {}
+    try:
+        for name, (script, *args) in RUNS.items():
+            if name == "gpu_step_bare" and torch.cuda.is_available():
+                continue
+            out, err = logs / f"{name}.out", logs / f"{name}.err"
+            with open(out, "w") as fo, open(err, "w") as fe:
+                proc = subprocess.Popen(
+                    [sys.executable, str(ROOT / "benchmarks" / script), *args],
+                    stdout=fo,
+                    stderr=fe,
+                    cwd=ROOT,
+                )
+            procs[name] = (proc, out, err)
+        yield procs
+    finally:
+        for proc, _, _ in procs.values():  # a test that failed early leaves its script running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _finished(run: tuple, timeout: int) -> subprocess.CompletedProcess:
+    proc, out, err = run
+    proc.wait(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+
+
+def _stdout(runs: dict, name: str, timeout: int = 180) -> str:
+    """A benchmark script's standard output, after checking that it exited 0."""
+    proc = _finished(runs[name], timeout)
+    script = RUNS[name][0]
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
-def _run(script: str, *args: str, timeout: int = 120) -> dict:
-    return json.loads(_stdout(script, *args, timeout=timeout))
+def _run(runs: dict, name: str) -> dict:
+    return json.loads(_stdout(runs, name))
 
 
-def test_memory_benchmark_tiny():
-    r = _run("memory.py", *"--tiny --layers 1 --threads 1 --json".split())
+def test_memory_benchmark_tiny(runs):
+    r = _run(runs, "memory")
     assert r["shape"]["n_layers"] == 1 and r["shape"]["local_experts"] == 4
     assert [row["variant"] for row in r["rows"]] == ["all", "local-fp32", "local-bf16"]
     ratios = {q["frozen_dtype"]: q for q in r["ratios"]}
@@ -51,9 +92,8 @@ def test_memory_benchmark_tiny():
         assert 0 <= row["tensor_bytes"] - row["predicted_bytes"] < 4096
 
 
-def test_step_speed_benchmark_tiny():
-    args = "--tiny --layers 1 --threads 1 --warmup 1 --rounds 2 --json".split()
-    r = _run("step_speed.py", *args)
+def test_step_speed_benchmark_tiny(runs):
+    r = _run(runs, "step_speed")
     assert r["hf_experts_implementation"] == "grouped_mm"
     assert r["expert_ops"]["hf-olmoe"].get("aten._grouped_mm", 0) >= 2
     assert r["loss_difference"] < 1e-4  # same weights, same batch, same loss
@@ -66,15 +106,10 @@ def test_step_speed_benchmark_tiny():
         assert math.isfinite(q["ratio_of_medians"]) and q["ratio_of_medians"] > 0
 
 
-def _run_lines(script: str, *args: str, timeout: int = 180) -> list[dict]:
-    """Run a benchmark that prints one JSON object per line; return the objects."""
-    stdout = _stdout(script, *args, timeout=timeout)
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-def test_gpu_step_benchmark_cpu_tiny():
+def test_gpu_step_benchmark_cpu_tiny(runs):
     """benchmarks/gpu_step.py's machinery on CPU at a tiny shape: every row, every ratio, the 2-peer round."""
-    recs = _run_lines("gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split())
+    # one JSON object per line
+    recs = [json.loads(line) for line in _stdout(runs, "gpu_step").splitlines() if line.startswith("{")]
     config = [r for r in recs if r["kind"] == "config"]
     rows = {r["row"]: r for r in recs if r["kind"] == "row"}
     ratios = {r["name"]: r for r in recs if r["kind"] == "ratio"}
@@ -101,17 +136,11 @@ def test_gpu_step_benchmark_cpu_tiny():
     assert rnd["round_s"] >= rnd["average_s"] > 0 and 0 <= rnd["copy_fraction"] <= 1
 
 
-def test_gpu_step_benchmark_skips_without_cuda():
+def test_gpu_step_benchmark_skips_without_cuda(runs):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark would run")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    proc = _finished(runs["gpu_step_bare"], timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("gpu_step: skipped: no CUDA device"), proc
     assert len(proc.stdout.strip().splitlines()) == 1
