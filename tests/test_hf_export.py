@@ -15,12 +15,19 @@ from swarm.hf.run_checkpoint import open_run_checkpoint, tokenizer_file
 from swarm.model import MoETransformer
 from swarm.train.checkpoint import save_checkpoint
 from tests.conftest import TINY_CONFIG
-from tests.hf_helpers import error_lines, last_val_loss, run_module, run_python, tiny_run, write_config
+from tests.hf_helpers import (
+    error_lines,
+    last_val_loss,
+    peer_here,
+    read_only_tiny_run,
+    run_python,
+    write_config,
+)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_data):
-    return tiny_run(tmp_path_factory.mktemp("run") / "run", tiny_data)
+    return read_only_tiny_run(tmp_path_factory, tiny_data)
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +154,16 @@ def test_export_refuses_bad_input(trained, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_peer_init_from_export_starts_from_those_weights(trained, exported, tmp_path, tiny_data):
+def test_peer_init_from_export_starts_from_those_weights(
+    trained, exported, tmp_path, tiny_data, capsys, monkeypatch
+):
     cfg = write_config(tmp_path / "tiny.yaml", tiny_data)
-    res = run_module(
-        "peers.main", "--no-progress", "--config", str(cfg), "--solo", "--run-dir", str(tmp_path / "r"),
+    code, out, err = peer_here(
+        capsys, monkeypatch, "--config", str(cfg), "--solo", "--run-dir", str(tmp_path / "r"),
         "--init-from", str(exported), "--max-steps", "0",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert code == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
     # the same weights on the same validation windows: the source run's last val_loss
     assert abs(summary["initial_val_loss"] - last_val_loss(trained)) < 1e-5
 

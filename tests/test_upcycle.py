@@ -10,7 +10,7 @@ from swarm.hf.export import export_checkpoint
 from swarm.hf.run_checkpoint import open_run_checkpoint
 from swarm.hf.upcycle import main as upcycle_main
 from swarm.model import MoETransformer
-from tests.hf_helpers import error_lines, run_module, write_config
+from tests.hf_helpers import error_lines, peer_here, write_config
 
 SHAPE = dict(
     vocab_size=512,
@@ -145,7 +145,7 @@ def test_refuses_bad_arguments(tmp_path, tiny_data, capsys):
     assert (tmp_path / "o4" / "x").read_text() == "keep"
 
 
-def test_swarm_peer_trains_from_the_upcycled_checkpoint(tmp_path, tiny_data):
+def test_swarm_peer_trains_from_the_upcycled_checkpoint(tmp_path, tiny_data, capsys, monkeypatch):
     import torch.nn.functional as F
 
     from swarm.data import TokenDataset, validation_batches
@@ -154,13 +154,13 @@ def test_swarm_peer_trains_from_the_upcycled_checkpoint(tmp_path, tiny_data):
     base = write_config(tmp_path / "tiny.yaml", tiny_data)
     args = ["--experts", "4", "--config", str(base), "--set", "experts.per_peer=2"]
     assert upcycle_main([str(tmp_path / "dense"), str(tmp_path / "moe"), *args]) == 0
-    res = run_module(
-        "peers.main", "--no-progress", "--config", str(tmp_path / "moe" / "config.yaml"), "--solo",
+    code, out, err = peer_here(
+        capsys, monkeypatch, "--config", str(tmp_path / "moe" / "config.yaml"), "--solo",
         "--run-dir", str(tmp_path / "train"), "--init-from", str(tmp_path / "moe"), "--max-steps", "3",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["end_step"] == 3 and "initialised the model from" in res.stderr
+    assert code == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["end_step"] == 3 and "initialised the model from" in err
     # step 0 validates the dense model's function: same loss on the same validation windows
     batches = validation_batches(TokenDataset.open(tiny_data), 32, 4, 2)
     want = sum(
