@@ -1,106 +1,181 @@
-"""The local trainer through ``swarm-peer``: learning, exact resume, kills during checkpoint writes."""
+"""The local trainer through ``swarm-peer``: learning, exact resume, kills during checkpoint writes.
+
+The runs that the learning, resume and kill tests check are made once per module, side by side (each
+process spends most of its time starting up; on 2 cores two at a time take about as long as one): the
+reference, one uninterrupted 60-step run (every resumed run must reproduce its losses: the schedule does
+not depend on ``--max-steps``, so its first N steps are those of an uninterrupted N-step run), a run
+stopped at step 20, and the four runs SIGKILLed inside a checkpoint write; then, side by side again, each
+interrupted run resumed. Refusals that happen before any training run in this process; one still runs as a
+real process, so that the exit code and the single stderr line of the real command stay checked."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import yaml
 
 from swarm.train import load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint, list_checkpoints
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, peer_cmd, run_peer
+from tests.conftest import ROOT, TINY_CONFIG, peer_cmd, reap, run_peer
+from tests.hf_helpers import peer_here
+
+KILL_POINTS = ["model_written", "optimizer_written", "before_rename", "before_prune"]
 
 
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-def test_solo_peer_learns_and_writes_metrics(tiny_config, tmp_path):
-    run = tmp_path / "run"
-    res = run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "60")
-    assert res.returncode == 0, res.stderr
-    summary = json.loads(res.stdout.strip().splitlines()[-1])
+def _solo_args(config, run_dir, *args: str) -> list[str]:
+    return ["--config", str(config), "--solo", "--run-dir", str(run_dir), *args]
+
+
+def _solo(config, run_dir, *args: str):
+    return run_peer(*_solo_args(config, run_dir, *args))
+
+
+def _side_by_side(jobs: dict[str, tuple[list[str], dict]]) -> dict[str, subprocess.CompletedProcess]:
+    """``swarm-peer ARGS`` with extra environment variables, for every job at once; ``{name: result}``."""
+    procs = {}
+    try:
+        for name, (args, env) in jobs.items():
+            procs[name] = subprocess.Popen(
+                peer_cmd(*args),
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # reap() kills its process group
+            )
+        results = {}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=240)
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return results
+    finally:
+        reap(procs.values())
+
+
+def _latest_step(run_dir: Path):
+    """The step of the latest checkpoint, or what loading it raised."""
+    try:
+        return load_checkpoint(latest_checkpoint(run_dir / "checkpoints")).step
+    except Exception as e:
+        return e
+
+
+@dataclass
+class Run:
+    dir: Path
+    first: subprocess.CompletedProcess
+    latest_step: object = None  # the latest checkpoint's step once `first` ended (or what loading it raised)
+    resumed: subprocess.CompletedProcess | None = None
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, tiny_data):
+    """The tiny config (as ``tiny_config`` writes it), shared by the module's runs."""
+    path = tmp_path_factory.mktemp("config") / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(config, tmp_path_factory) -> dict[str, Run]:
+    """``{"reference": 60 steps, "part": 20 steps, then resumed to 40, POINT: 50 steps SIGKILLed at POINT of
+    writing checkpoint 30, then resumed to 50}``."""
+    root = tmp_path_factory.mktemp("runs")
+    dirs = {name: root / name for name in ["reference", "part", *KILL_POINTS]}
+    first = _side_by_side(
+        {
+            "reference": (_solo_args(config, dirs["reference"], "--max-steps", "60"), {}),
+            "part": (_solo_args(config, dirs["part"], "--max-steps", "20"), {}),
+            **{
+                point: (
+                    _solo_args(config, dirs[point], "--max-steps", "50"),
+                    {"SWARM_FAULT_KILL_AT": f"{point}@30"},
+                )
+                for point in KILL_POINTS
+            },
+        }
+    )
+    out = {name: Run(path, first[name], _latest_step(path)) for name, path in dirs.items()}
+    resumed = _side_by_side(
+        {
+            "part": (_solo_args(config, dirs["part"], "--max-steps", "40", "--resume"), {}),
+            **{
+                point: (_solo_args(config, dirs[point], "--max-steps", "50", "--resume"), {})
+                for point in KILL_POINTS
+            },
+        }
+    )
+    for name, res in resumed.items():
+        out[name].resumed = res
+    return out
+
+
+@pytest.fixture
+def reference(runs) -> Path:
+    """The uninterrupted 60-step run's directory (read only: copy it to change it)."""
+    ref = runs["reference"].first
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return runs["reference"].dir
+
+
+def test_solo_peer_learns_and_writes_metrics(runs, reference):
+    summary = json.loads(runs["reference"].first.stdout.strip().splitlines()[-1])
     assert summary["final_val_loss"] < 0.93 * summary["initial_val_loss"]
-    records = read_metrics(run / "metrics.jsonl")
+    records = read_metrics(reference / "metrics.jsonl")
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 61))
     for key in ("step", "tokens", "loss", "lr", "tokens_per_s"):
         assert key in train[-1]
     assert train[-1]["tokens"] == 60 * 4 * 32
     assert sum("val_loss" in r for r in records) == 1 + 6  # step 0 and every 10 steps
-    assert (run / "config.yaml").exists()
-    ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
+    assert (reference / "config.yaml").exists()
+    ckpt = load_checkpoint(latest_checkpoint(reference / "checkpoints"))
     assert ckpt.step == 60 and ckpt.state["local_experts"] == [0, 1]
-    assert len(list_checkpoints(run / "checkpoints")) == 3  # keep_checkpoints
+    assert len(list_checkpoints(reference / "checkpoints")) == 3  # keep_checkpoints
 
 
-def test_resume_reproduces_uninterrupted_run(tiny_config, tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert (
-        run_peer(
-            "--config", str(tiny_config), "--solo", "--run-dir", str(full), "--max-steps", "40"
-        ).returncode
-        == 0
-    )
-    assert (
-        run_peer(
-            "--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "20"
-        ).returncode
-        == 0
-    )
-    res = run_peer(
-        "--config", str(tiny_config), "--solo", "--run-dir", str(part), "--max-steps", "40", "--resume"
-    )
-    assert res.returncode == 0, res.stderr
-    a, b = _losses(full), _losses(part)
+def test_resume_reproduces_uninterrupted_run(runs, reference):
+    part = runs["part"]
+    assert part.first.returncode == 0, part.first.stderr[-3000:]
+    assert part.resumed.returncode == 0, part.resumed.stderr
+    a, b = _losses(reference), _losses(part.dir)
     assert sorted(b) == list(range(1, 41))
     assert max(abs(a[s] - b[s]) for s in range(21, 41)) <= 1e-5
 
 
-@pytest.mark.parametrize("point", ["model_written", "optimizer_written", "before_rename", "before_prune"])
-def test_kill_during_checkpoint_write_leaves_loadable_latest(tiny_config, tmp_path, point):
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill_during_checkpoint_write_leaves_loadable_latest(runs, reference, point):
     """SIGKILL at each point of writing checkpoint 30; the latest checkpoint still loads, and --resume
     reproduces an uninterrupted run over the next 20 steps."""
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert (
-        run_peer(
-            "--config", str(tiny_config), "--solo", "--run-dir", str(ref), "--max-steps", "50"
-        ).returncode
-        == 0
-    )
-    res = run_peer(
-        "--config",
-        str(tiny_config),
-        "--solo",
-        "--run-dir",
-        str(run),
-        "--max-steps",
-        "50",
-        env={"SWARM_FAULT_KILL_AT": f"{point}@30"},
-    )
-    assert res.returncode == -signal.SIGKILL
-    latest = latest_checkpoint(run / "checkpoints")
-    ckpt = load_checkpoint(latest)  # never raises: the visible latest is always complete
-    assert ckpt.step == (30 if point == "before_prune" else 20)
-    res = run_peer(
-        "--config", str(tiny_config), "--solo", "--run-dir", str(run), "--max-steps", "50", "--resume"
-    )
-    assert res.returncode == 0, res.stderr
-    a, b = _losses(ref), _losses(run)
-    start = ckpt.step + 1
+    run = runs[point]
+    assert run.first.returncode == -signal.SIGKILL, run.first.stderr[-3000:]
+    # loading the visible latest never raises: it is always complete
+    assert run.latest_step == (30 if point == "before_prune" else 20)
+    assert run.resumed.returncode == 0, run.resumed.stderr
+    a, b = _losses(reference), _losses(run.dir)
+    start = run.latest_step + 1
     assert max(abs(a[s] - b[s]) for s in range(start, start + 20)) <= 1e-5
-    assert not list((run / "checkpoints").glob(".tmp-*")), "stale temporaries were not cleaned"
+    assert not list((run.dir / "checkpoints").glob(".tmp-*")), "stale temporaries were not cleaned"
 
 
-def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
+def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
     run = tmp_path / "run"
     for i, delay in enumerate((2.5, 3.1, 3.7)):
         cmd = peer_cmd(
             "--config",
-            str(tiny_config),
+            str(config),
             "--solo",
             "--run-dir",
             str(run),
@@ -122,11 +197,11 @@ def test_sigkill_at_random_moments_never_breaks_latest(tiny_config, tmp_path):
     assert latest is not None
 
 
-def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
+def test_sigterm_writes_a_checkpoint(config, tmp_path):
     run = tmp_path / "run"
     cmd = peer_cmd(
         "--config",
-        str(tiny_config),
+        str(config),
         "--solo",
         "--run-dir",
         str(run),
@@ -145,11 +220,6 @@ def test_sigterm_writes_a_checkpoint(tiny_config, tmp_path):
     assert load_checkpoint(latest_checkpoint(run / "checkpoints")).step >= 3
 
 
-def _train_solo(config, run_dir, steps: int) -> None:
-    res = run_peer("--config", str(config), "--solo", "--run-dir", str(run_dir), "--max-steps", str(steps))
-    assert res.returncode == 0, res.stderr[-2000:]
-
-
 def _one_error_line(res):
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert res.returncode == 2, res.stderr
@@ -157,96 +227,73 @@ def _one_error_line(res):
     return lines[0]
 
 
-def test_bad_config_values_exit_2(tiny_config, tmp_path):
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--set", "train.lr=-1"))
-    assert "train.lr" in line
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--set", "model.n_headz=3"))
-    assert "model.n_headz" in line
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--set", "model.d_model=abc"))
-    assert "model.d_model" in line
+@pytest.fixture
+def refused(capsys, monkeypatch):
+    """``refused(*ARGS)``: ``swarm-peer ARGS`` in this process (it refuses before training) gives exit code 2
+    and one stderr line, ``error: ...``; returns that line."""
+
+    def run(*args: str) -> str:
+        code, _, err = peer_here(capsys, monkeypatch, *args)
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+        return lines[0]
+
+    return run
+
+
+def test_bad_config_values_exit_2(config, tmp_path, refused):
+    assert "train.lr" in refused("--config", str(config), "--solo", "--set", "train.lr=-1")
+    assert "model.n_headz" in refused("--config", str(config), "--solo", "--set", "model.n_headz=3")
+    assert "model.d_model" in refused("--config", str(config), "--solo", "--set", "model.d_model=abc")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
-    assert "not valid YAML" in _one_error_line(run_peer("--config", str(bad), "--solo"))
-    assert "not found" in _one_error_line(run_peer("--config", str(tmp_path / "nope.yaml"), "--solo"))
+    assert "not valid YAML" in refused("--config", str(bad), "--solo")
+    assert "not found" in refused("--config", str(tmp_path / "nope.yaml"), "--solo")
 
 
-def test_missing_tokenizer_exit_2(tiny_config, tmp_path):
-    line = _one_error_line(
-        run_peer(
-            "--config",
-            str(tiny_config),
-            "--solo",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--set",
-            f"data.tokenizer={tmp_path / 'missing.json'}",
-        )
-    )
+def test_missing_tokenizer_exit_2(config, tmp_path, refused):
+    run = ["--config", str(config), "--solo", "--run-dir", str(tmp_path / "r")]
+    line = refused(*run, "--set", f"data.tokenizer={tmp_path / 'missing.json'}")
     assert "missing.json" in line
 
 
-def test_corrupt_shard_exit_2(tiny_config, tiny_data, tmp_path):
-    import shutil
-
+def test_corrupt_shard_exit_2(config, tiny_data, tmp_path, refused):
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     shard = sorted(data.glob("train_*.npy"))[0]
     with open(shard, "r+b") as fh:  # truncate the shard to half its size
         fh.truncate(os.path.getsize(shard) // 2)
-    line = _one_error_line(
-        run_peer(
-            "--config",
-            str(tiny_config),
-            "--solo",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--set",
-            f"data.path={data}",
-        )
-    )
-    assert shard.name in line
+    run = ["--config", str(config), "--solo", "--run-dir", str(tmp_path / "r")]
+    assert shard.name in refused(*run, "--set", f"data.path={data}")
 
 
-def test_corrupt_checkpoint_exit_2_and_is_kept(tiny_config, tmp_path):
+def test_corrupt_checkpoint_exit_2_and_is_kept(config, reference, tmp_path):
+    """As a real process: exit code 2 and nothing on stderr but the error line."""
     run = tmp_path / "run"
-    _train_solo(tiny_config, run, 10)
+    shutil.copytree(reference, run)
     latest = latest_checkpoint(run / "checkpoints")
     (latest / "model.safetensors").write_bytes(b"garbage")
-    line = _one_error_line(
-        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--resume")
-    )
+    line = _one_error_line(_solo(config, run, "--resume"))
     assert "corrupt" in line and latest.name in line
     assert (latest / "model.safetensors").exists()  # nothing already saved is deleted
 
 
-def test_other_model_in_run_dir_is_refused(tiny_config, tmp_path):
+def test_other_model_in_run_dir_is_refused(config, reference, tmp_path, refused):
     run = tmp_path / "run"
-    _train_solo(tiny_config, run, 2)
-    line = _one_error_line(
-        run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run), "--set", "model.d_model=64")
-    )
+    shutil.copytree(reference, run)
+    line = refused("--config", str(config), "--solo", "--run-dir", str(run), "--set", "model.d_model=64")
     assert "different model config" in line
 
 
-def test_existing_checkpoints_need_resume(tiny_config, tmp_path):
+def test_existing_checkpoints_need_resume(config, reference, tmp_path, refused):
     run = tmp_path / "run"
-    _train_solo(tiny_config, run, 10)
+    shutil.copytree(reference, run)
     before = read_metrics(run / "metrics.jsonl")
-    line = _one_error_line(run_peer("--config", str(tiny_config), "--solo", "--run-dir", str(run)))
-    assert "--resume" in line
+    assert "--resume" in refused("--config", str(config), "--solo", "--run-dir", str(run))
     assert read_metrics(run / "metrics.jsonl") == before  # nothing saved was touched
 
 
-def test_megablocks_backend_on_cpu_exit_2(tiny_config, tmp_path):
-    line = _one_error_line(
-        run_peer(
-            "--config",
-            str(tiny_config),
-            "--solo",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--set",
-            "model.moe_backend=megablocks",
-        )
-    )
+def test_megablocks_backend_on_cpu_exit_2(config, tmp_path, refused):
+    run = ["--config", str(config), "--solo", "--run-dir", str(tmp_path / "r")]
+    line = refused(*run, "--set", "model.moe_backend=megablocks")
     assert "megablocks" in line and "CUDA" in line
