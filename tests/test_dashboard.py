@@ -261,16 +261,22 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
         [sys.executable, "-m", "bootstrap.main", "--dashboard-port", "70000"],
         [sys.executable, "-m", "bootstrap.main", "--dashboard-port", str(port)],
     ]
-    try:
-        for cmd in cases:
-            res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-            lines = res.stderr.strip().splitlines()
-            assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (
-                cmd,
-                res.stderr,
-            )
+    procs = []
+    try:  # side by side: each process spends most of its time starting up
+        for i, cmd in enumerate(cases):
+            with open(tmp_path / f"{i}.err", "w") as err:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
+        for i, (cmd, proc) in enumerate(zip(cases, procs, strict=True)):
+            code = proc.wait(timeout=60)
+            stderr = (tmp_path / f"{i}.err").read_text()
+            lines = stderr.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (cmd, stderr)
     finally:
         taken.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # -- a live swarm in headless Chromium ------------------------------------------------------------------------
