@@ -1,13 +1,13 @@
 """A 2-peer round on one device: how long it takes, and how much of it is device <-> host copying.
 
 What is measured
-    Two hivemind DHT nodes and two dense ``AveragingGroup``s in this process (127.0.0.1 only, the project's
+    Two hivemind DHT nodes and two dense ``HivemindGroup``s in this process (127.0.0.1 only, the project's
     safe defaults), and two models on the device (``swarm.model.MoETransformer``, experts 0-3 local, frozen
     bf16, different weights: seeds 0 and 1). One round, done the way a peer does it (hivemind cannot average
     CUDA tensors: NOTES.md):
 
     1. snapshot  ``swarm.net.expert_tensors.snapshot(dense_tensors(model))``: fp32 copies on the host
-    2. average   ``AveragingGroup.start`` on both peers, then ``outcome``: the all-reduce in hivemind's own
+    2. average   ``HivemindGroup.start`` on both peers, then ``outcome``: the all-reduce in hivemind's own
                  processes (includes its minimum matchmaking time, ``--matchmaking-s``)
     3. apply     ``swarm.sync.OuterStep(alpha=1).apply(params, snapshot, average)`` on views of the
                  model's dense weights (``dense_tensors``): theta += a - s, moving to the device what it must
@@ -41,9 +41,9 @@ if str(ROOT) not in sys.path:
 
 from swarm.config import load_config  # noqa: E402
 from swarm.model import MoETransformer  # noqa: E402
-from swarm.net.averaging import AveragingGroup  # noqa: E402
 from swarm.net.dht_node import start_dht, visible_maddrs  # noqa: E402
 from swarm.net.expert_tensors import dense_tensors, snapshot  # noqa: E402
+from swarm.net.hivemind_group import HivemindGroup  # noqa: E402
 from swarm.sync.apply_average import OuterStep  # noqa: E402
 
 TINY = [
@@ -84,7 +84,7 @@ def measure_round(cfg, device: torch.device, matchmaking_s: float, timeout_s: fl
         dhts.append(start_dht(initial_peers=visible_maddrs(dhts[0])))
         for dht in dhts:
             groups.append(
-                AveragingGroup(
+                HivemindGroup(
                     dht,
                     "gpuround_dense",
                     like,
@@ -101,7 +101,7 @@ def measure_round(cfg, device: torch.device, matchmaking_s: float, timeout_s: fl
         )
         t0 = time.perf_counter()
         controls = [
-            g.start(s, weight=1.0, info={"peer": i}, matchmaking_timeout=matchmaking_s + timeout_s)
+            g.start(s, {"peer": i}, matchmaking_s + timeout_s)
             for i, (g, s) in enumerate(zip(groups, snaps, strict=True))
         ]
         outcomes = [

@@ -386,12 +386,13 @@ def print_report(r: dict) -> None:
     )
     print(
         f"{'config':<8} {'snapshots':>10} {'results':>10} {'downloads':>10} {'round':>10} {'before':>10} "
-        f"{'averager buffers':>17}"
+        f"{'averager buffers':>17} {'served copies':>14}"
     )
     for name, b in r["round_host_bytes"].items():
         print(
             f"{name:<8} {gib(b['snapshots']):>10} {gib(b['results']):>10} {gib(b['downloads']):>10} "
-            f"{gib(b['round_total']):>10} {gib(b['round_total_before']):>10} {gib(b['averager_buffers']):>17}"
+            f"{gib(b['round_total']):>10} {gib(b['round_total_before']):>10} {gib(b['averager_buffers']):>17} "
+            f"{gib(b['served_copies']):>14}"
         )
 
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from swarm.config import ConfigError, load_config, save_config
+from swarm.train.round_record import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DASHBOARD_PORT = 8080
@@ -101,7 +102,7 @@ def _progress(run_dirs: list[Path], t0: float) -> str:
     for i, d in enumerate(run_dirs):
         recs = _read(d / "metrics.jsonl")
         steps = [r for r in recs if "loss" in r]
-        rounds = [r for r in recs if "dense_group" in r]
+        rounds = [r for r in recs if RoundRecord.is_round(r) and RoundRecord.from_dict(r).started]
         if steps:
             parts.append(f"p{i} step {steps[-1]['step']} loss {steps[-1]['loss']:.2f} rounds {len(rounds)}")
         else:
@@ -115,9 +116,10 @@ def summarize(run_dirs: list[Path], n_experts: int) -> dict:
     for i, d in enumerate(run_dirs):
         recs = _read(d / "metrics.jsonl")
         val = [r["val_loss"] for r in recs if "val_loss" in r]
-        rounds = [r for r in recs if "dense_group" in r]
-        ok = [r for r in rounds if r.get("applied") and not r.get("rejected")]
-        per_round = [r["wire_bytes"] for r in ok if "wire_bytes" in r]
+        rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
+        rounds = [r for r in rounds if r.started]
+        ok = [r for r in rounds if r.clean]
+        per_round = [r.wire_bytes for r in ok if r.wire_bytes is not None]
         state = {}
         ckpts = sorted((d / "checkpoints").glob("step_*/state.json"))
         if ckpts:
@@ -237,14 +239,24 @@ def _print_summary(s: dict, formed_s: float | None) -> None:
     )
 
 
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
+def _stop(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """SIGTERM to every process at once (each writes its checkpoint and leaves), then one shared bound;
+    a process still running after it is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline, codes = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait(timeout=10))
+    return codes
+
+
+def _interrupt(signum, frame):  # SIGTERM stops the demo like Ctrl+C: the peers checkpoint and leave
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,12 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     effective = run / "config.yaml"  # with the --set overrides: the dashboard watches this run id
     save_config(cfg, effective)
     boot_log = open(run / "bootstrap.log", "w")
+    signal.signal(signal.SIGTERM, _interrupt)
+    stop_bound = cfg.sync.round_timeout_s + 10  # a peer's own bound: a round in flight, then leaving
+    interrupted = False
     boot = subprocess.Popen(
         [py, "-m", "bootstrap.main", "--config", str(effective), "--dashboard-port", str(board_port)],
         cwd=ROOT,
         env=env,
         stdout=boot_log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     peers: list[subprocess.Popen] = []
     run_dirs = [run / f"peer{i}" for i in range(args.peers)]
@@ -318,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             for item in args.set:
                 cmd += ["--set", item]
             log = open(run / f"peer{i}.log", "w")
-            peers.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            # a session of their own: a Ctrl+C in the terminal reaches the demo only, which stops each peer
+            # with exactly one signal (a second one would cut its checkpoint short)
+            peers.append(
+                subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         formed = _wait_formed(run, args.peers, peers, t0)
         print(f"swarm formed in {formed:.1f} s" if formed is not None else "swarm did not form in 60 s")
         last = 0.0
@@ -329,16 +351,19 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         codes = [p.returncode for p in peers]
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping the peers (they write checkpoints)", file=sys.stderr)
-        codes = [_stop(p) for p in peers]
-        formed = None
+        print("\ninterrupted: stopping the peers (they write checkpoints)", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one interruption is enough: let them finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop(peers, stop_bound)
+        codes, formed, interrupted = [], None, True
     finally:
-        for p in peers:
-            _stop(p)
-        _stop(boot)
+        _stop(peers, stop_bound)
+        _stop([boot], 15)
     summary = summarize(run_dirs, cfg.model.n_experts)
     _print_summary(summary, formed)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    if interrupted:
+        return 130
     bad = [i for i, c in enumerate(codes) if c != 0]
     if bad:
         print(

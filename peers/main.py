@@ -106,45 +106,24 @@ def _own_process_group() -> None:
 def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
     from swarm.net.dht_node import start_dht
-    from swarm.net.records import (
-        Heartbeat,
-        check_or_publish_fingerprint,
-        expert_holders,
-        publish_heartbeat,
-        read_heartbeats,
-    )
-    from swarm.net.state_transfer import catch_up
-    from swarm.net.swarm_sync import SwarmSync
-    from swarm.sync import settle_joiners
+    from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
+    from swarm.net.joining import catch_up, claim_experts, open_swarm_sync
+    from swarm.net.records import check_or_publish_fingerprint
+    from swarm.net.timing import Timing
 
     dht = start_dht(
         args.initial_peers, host=args.host, port=args.port, identity_path=args.identity, use_nat=args.use_nat
     )
-    me = dht.peer_id.to_base58()
-    check_or_publish_fingerprint(dht, cfg.run_id, cfg.fingerprint())
+    me, store = dht.peer_id.to_base58(), HivemindStore(dht)
+    check_or_publish_fingerprint(store, cfg.run_id, cfg.fingerprint())
     if cfg.data.seed is None:  # each peer samples its own windows
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
-    # announce that we are joining, give simultaneous joiners a heartbeat to appear, then claim in turn
-    hb_s = cfg.sync.heartbeat_s
-    publish_heartbeat(
-        dht, cfg.run_id, me, Heartbeat(experts=[], state="joining", period_s=hb_s), ttl_s=3 * hb_s
-    )
-    time.sleep(cfg.sync.join_settle_s)
-    beats = read_heartbeats(dht, cfg.run_id)
-    local = None
-    if cfg.experts.local is None:
-        per_peer = cfg.experts.per_peer or cfg.model.n_experts
-        training = {p: v for p, v in beats.items() if v[0].state != "joining"}
-        joining = sorted({p for p, v in beats.items() if v[0].state == "joining"} | {me})
-        claims = settle_joiners(
-            expert_holders(training, cfg.model.n_experts), joining, cfg.model.n_experts, per_peer
-        )
-        local = claims[me]
+    local, peers = claim_experts(store, me, cfg)
     trainer.setup(resume=args.resume, local_experts=local)
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
-    peers = {p: hb for p, (hb, _) in beats.items() if p != me}
     if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
-        catch_up(dht, cfg.run_id, trainer.model, peers, timeout=cfg.sync.download_timeout_s)
+        transport = HivemindTransport(dht, Timing.from_config(cfg.sync))
+        catch_up(transport, cfg.run_id, trainer.model, peers, timeout=cfg.sync.download_timeout_s)
     print(
         f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "
         f"{len(peers)} other live peer(s)",
@@ -152,7 +131,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         flush=True,
     )
     last_round_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
-    trainer.sync = SwarmSync(cfg, dht, trainer.model, last_round_at=last_round_at)
+    trainer.sync = open_swarm_sync(cfg, dht, trainer.model, last_round_at)
     return dht
 
 

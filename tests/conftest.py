@@ -136,12 +136,16 @@ def swarm_peer_args(config: Path, maddr: str, run: Path, *extra: str, max_steps:
     return [*args, "--max-steps", str(max_steps), *SWARM_SETTINGS, *extra]
 
 
-def round_records(run_dir: Path) -> list[dict]:
-    """The per-round records of a peer's metrics.jsonl."""
+def round_records(run_dir: Path) -> list:
+    """The rounds a peer ran (``RoundRecord``s from its metrics.jsonl; skipped sync points left out)."""
     from swarm.train.metrics_log import read_metrics
+    from swarm.train.round_record import RoundRecord
 
     path = Path(run_dir) / "metrics.jsonl"
-    return [r for r in read_metrics(path) if "dense_group" in r] if path.exists() else []
+    if not path.exists():
+        return []
+    records = [RoundRecord.from_dict(r) for r in read_metrics(path) if RoundRecord.is_round(r)]
+    return [r for r in records if r.started]
 
 
 def wait_until(cond, timeout: float, what: str) -> None:

@@ -1,17 +1,15 @@
-"""Settling the replicas after the last round, with real hivemind processes on 127.0.0.1."""
+"""Settling the replicas after the last round, in process on the in-memory store and transport."""
 
-import multiprocessing as mp
-import time
+import threading
 
 import pytest
 import torch
 
-from swarm.net.averaging import AveragingGroup
-from swarm.net.dht_node import start_dht, visible_maddrs
-from swarm.net.final_agreement import FinalGroup, agree_on_final_copies, winner
+from swarm.net.final_agreement import FinalItem, agree_on_final_copies, winner
+from swarm.net.local_transport import LocalNetwork
 from swarm.net.round_consensus import digest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _copy(i: int) -> list[torch.Tensor]:
@@ -22,58 +20,38 @@ def _copy(i: int) -> list[torch.Tensor]:
     return tensors
 
 
-def _holder(i, maddrs, inbox, out):
-    dht = start_dht(maddrs)
-    try:
-        live = _copy(i)
-        group = AveragingGroup(dht, "t_final_expert3", live, matchmaking_time=3.0, allreduce_timeout=30)
-        out.put(("id", i, dht.peer_id.to_base58()))
-        ids = inbox.get(timeout=60)
-        me = dht.peer_id.to_base58()
-
-        adopted, unsettled = agree_on_final_copies(
-            dht,
-            "t_run",
-            me,
-            {"expert3": FinalGroup(group, live, set(ids) - {me})},
-            {"step": 9, "final": True},
-            timeout=10.0,
-            max_rel_distance=4.0,
-        )
-        out.put(("done", i, adopted, unsettled, [t.tolist() for t in live]))
-        time.sleep(8)  # keep serving while the others download
-        group.shutdown()
-    finally:
-        dht.shutdown()
-
-
 def test_a_differing_replica_adopts_the_majority_copy():
-    boot = start_dht()
-    ctx = mp.get_context("fork")
-    out, inboxes = ctx.Queue(), [ctx.Queue() for _ in range(3)]
-    procs = [ctx.Process(target=_holder, args=(i, visible_maddrs(boot), inboxes[i], out)) for i in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        ids = [out.get(timeout=90)[2] for _ in procs]
-        for q in inboxes:
-            q.put(ids)
-        done = {msg[1]: msg[2:] for msg in (out.get(timeout=90) for _ in procs)}
-        assert done[0][:2] == ([], []) and done[1][:2] == ([], [])  # the two agreeing copies stay
-        assert done[2][:2] == (["expert3"], [])  # the odd one out takes theirs
-        want = _copy(0)
-        for i in range(3):
-            for got, ref in zip(done[i][2], want, strict=True):
-                tol = 0 if i < 2 else 2e-3 * ref.abs().max().item()  # fp16 on the wire
-                assert torch.allclose(torch.tensor(got), ref, atol=tol, rtol=0)
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        boot.shutdown()
+    net = LocalNetwork()
+    ids = ["peer-a", "peer-b", "peer-c"]
+    live = {me: _copy(i) for i, me in enumerate(ids)}
+    done = {}
+
+    def holder(me: str) -> None:
+        transport = net.transport(me)
+        server = transport.open_server("t_experts")
+
+        def fetch(peer, name):
+            served = transport.fetch(peer, "t_experts", timeout=5)
+            return served.tensors if served is not None and served.meta.get("item") == name else None
+
+        def serve(name, tensors):
+            server.serve([t.half() for t in tensors], {"item": name})  # expert copies travel as fp16
+
+        items = {"expert3": FinalItem(live[me], frozenset(ids) - {me})}
+        done[me] = agree_on_final_copies(net.store(me), "t_run", me, items, fetch, serve, 5.0, 4.0)
+
+    threads = [threading.Thread(target=holder, args=(me,)) for me in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert done["peer-a"] == ([], []) and done["peer-b"] == ([], [])  # the two agreeing copies stay
+    assert done["peer-c"] == (["expert3"], [])  # the odd one out takes theirs
+    want = _copy(0)
+    for i, me in enumerate(ids):
+        for got, ref in zip(live[me], want, strict=True):
+            tol = 0 if i < 2 else 2e-3 * ref.abs().max().item()  # fp16 on the wire
+            assert torch.allclose(got, ref, atol=tol, rtol=0)
 
 
 def test_winner_is_the_largest_agreeing_set_then_the_smallest_id():

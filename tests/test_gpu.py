@@ -214,14 +214,14 @@ def test_two_peer_swarm_on_cuda_applies_rounds_and_agrees(tiny_config, tmp_path,
         assert p.returncode == 0, err[-3000:]
     rounds = [round_records(run) for run in runs]
     for rs in rounds:
-        applied = [r for r in rs if r["dense_group"] == 2 and "dense" in r.get("applied_groups", [])]
+        applied = [r for r in rs if r.dense_group == 2 and "dense" in r.applied_groups]
         assert applied, rs
-        assert not any("NaN" in why for r in rs for why in r["rejected"])
+        assert not any("NaN" in why for r in rs for why in r.rejected)
     final = [rs[-1] for rs in rounds]
-    assert all(r.get("final") and r["final_unsettled"] == [] for r in final), final
+    assert all(r.last and r.final_unsettled == [] for r in final), final
     ckpts = [load_checkpoint(latest_checkpoint(run / "checkpoints")) for run in runs]
     assert all(c.state["local_experts"] for c in ckpts)
-    adopted = {name for r in final for name in r["final_adopted"]}
+    adopted = {name for r in final for name in r.final_adopted}
     a, b = (c.model for c in ckpts)
     for key, ref in a.items():
         if ".experts." in key or "dense" in adopted:  # downloaded copies travel in fp16

@@ -146,11 +146,11 @@ def test_two_rank_peer_in_a_swarm(tiny_config, tmp_path, bootstrap_peer):
 
     # the swarm saw two peers: the two-rank process is one of them
     rounds = {run.name: round_records(run) for run in (ranked, plain)}
-    applied = {name: [r for r in rs if "dense" in r.get("applied_groups", [])] for name, rs in rounds.items()}
+    applied = {name: [r for r in rs if "dense" in r.applied_groups] for name, rs in rounds.items()}
     assert all(applied.values()), rounds
-    assert all(r["dense_group"] <= 2 for rs in rounds.values() for r in rs)
-    assert any(r["dense_group"] == 2 for r in applied["plain"]), rounds["plain"]
-    ids = {m for rs in rounds.values() for r in rs for m in r.get("members", {}).get("dense", [])}
+    assert all(r.dense_group <= 2 for rs in rounds.values() for r in rs)
+    assert any(r.dense_group == 2 for r in applied["plain"]), rounds["plain"]
+    ids = {m for rs in rounds.values() for r in rs for m in r.members.get("dense", [])}
     assert len(ids) == 2, ids
     # rank 0's checkpoint holds the weights both ranks ended with
     ckpt = load_checkpoint(latest_checkpoint(ranked / "checkpoints"))

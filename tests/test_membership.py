@@ -1,11 +1,11 @@
-"""Membership with real hivemind DHT nodes in this process: views, orphan claims, withdrawal (seconds)."""
+"""Membership on the in-memory store: views, orphan claims, withdrawal (seconds)."""
 
 import time
 
 import pytest
 
 from swarm.config import SyncConfig
-from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.local_transport import LocalNetwork
 from swarm.net.membership import Membership
 from swarm.net.timing import Timing
 
@@ -23,17 +23,14 @@ def _wait(cond, timeout: float) -> bool:
 
 
 @pytest.fixture
-def dhts():
-    boot = start_dht()
-    nodes = [start_dht(visible_maddrs(boot)) for _ in range(2)]
-    yield nodes
-    for node in [*nodes, boot]:
-        node.shutdown()
+def stores():
+    net = LocalNetwork()
+    return [(net.store(me), me) for me in ("peer-a", "peer-b")]
 
 
-def test_views_show_every_holder_and_exactly_one_peer_takes_an_orphan(dhts):
+def test_views_show_every_holder_and_exactly_one_peer_takes_an_orphan(stores):
     # experts 0 and 1 are held by both peers (replicated), expert 2 by nobody: one of them must take it
-    members = [Membership(dht, "m1", TIMING, [0, 1], 3, orphan_grace_s=1.0) for dht in dhts]
+    members = [Membership(store, me, "m1", TIMING, [0, 1], 3, orphan_grace_s=1.0) for store, me in stores]
     try:
         ids = {m.me for m in members}
         assert _wait(lambda: all(set(m.view.peers) == ids for m in members), 10), "peers never saw each other"
@@ -57,9 +54,9 @@ def test_views_show_every_holder_and_exactly_one_peer_takes_an_orphan(dhts):
             m.close()
 
 
-def test_a_closed_member_is_gone_at_once_and_finishing_peers_claim_nothing(dhts):
-    a = Membership(dhts[0], "m2", TIMING, [0], 2, orphan_grace_s=0.5)
-    b = Membership(dhts[1], "m2", TIMING, [0], 2, orphan_grace_s=0.5)
+def test_a_closed_member_is_gone_at_once_and_finishing_peers_claim_nothing(stores):
+    a = Membership(*stores[0], "m2", TIMING, [0], 2, orphan_grace_s=0.5)
+    b = Membership(*stores[1], "m2", TIMING, [0], 2, orphan_grace_s=0.5)
     try:
         a.set_state("finishing")
         b.set_state("finishing")

@@ -57,34 +57,25 @@ def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootst
     assert all(len(e) == 4 for e in experts)
 
     rounds = [round_records(run) for run in runs]
-    full = [r for rs in rounds for r in rs if r["dense_group"] == 3 and "dense" in r["applied_groups"]]
+    full = [r for rs in rounds for r in rs if r.dense_group == 3 and "dense" in r.applied_groups]
     assert full, rounds  # at least one round averaged the dense weights across all three peers
     for rs in rounds:
         for r in rs:
-            assert not any("NaN" in why for why in r["rejected"])
-            for key in (
-                "round",
-                "dense_group",
-                "expert_groups",
-                "bytes_sent",
-                "bytes_recv",
-                "sync_seconds",
-                "applied",
-            ):
-                assert key in r
+            assert not any("NaN" in why for why in r.rejected)
+            assert r.round >= 1 and r.dense_group >= 1 and r.sync_seconds > 0 and r.bytes_recv >= r.bytes_sent
             # the round held snapshots and results of what it averaged plus fp16 downloads, nothing more
             cfg = load_config(tiny_config)
-            averaged = sum(g.startswith("expert") for g in r["applied_groups"])
-            want = held_bytes(cfg.model, 4, averaged, len(r["downloaded"]), "dense" in r["applied_groups"])
-            assert r["host_bytes"] == want, (r, want)
+            averaged = sum(g.startswith("expert") for g in r.applied_groups)
+            want = held_bytes(cfg.model, 4, averaged, len(r.downloaded), "dense" in r.applied_groups)
+            assert r.host_bytes == want, (r, want)
     # The last round is synchronous (no local steps after it) and is followed by the final agreement, so
     # every peer ends with the same dense weights and every holder of an expert with the same copy: equal
     # in fp32 when the round averaged them, within fp16 where a peer adopted a copy over the wire.
     final = [rs[-1] for rs in rounds]
-    assert all(r.get("final") for r in final), final
-    assert all(r["final_unsettled"] == [] for r in final), final
-    adopted = {name for r in final for name in r["final_adopted"]}
-    print(f"last rounds: {[(r['dense_group'], r['expert_groups']) for r in final]}; adopted {adopted}")
+    assert all(r.last for r in final), final
+    assert all(r.final_unsettled == [] for r in final), final
+    adopted = {name for r in final for name in r.final_adopted}
+    print(f"last rounds: {[(r.dense_group, r.expert_groups) for r in final]}; adopted {adopted}")
     models = [c.model for c in ckpts]
 
     def close(a, b, name):
@@ -192,9 +183,9 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
             assert all(torch.isfinite(t).all() for t in ckpt.model.values())
             rounds = round_records(run)
-            assert sum(1 for r in rounds if "dense" in r.get("applied_groups", [])) >= 2
-            assert all(r["dense_group"] <= 3 for r in rounds)
-            assert all(math.isfinite(r["sync_seconds"]) and r["sync_seconds"] <= 30 + 5 for r in rounds)
+            assert sum(1 for r in rounds if "dense" in r.applied_groups) >= 2
+            assert all(r.dense_group <= 3 for r in rounds)
+            assert all(math.isfinite(r.sync_seconds) and r.sync_seconds <= 30 + 5 for r in rounds)
         # the killed peer comes back from its checkpoint and rejoins the (now smaller) swarm
         killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
         survivors = [start(i, 0.5, "--resume") for i in range(2)]
@@ -202,8 +193,8 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
         for p in survivors:
             assert p.wait(timeout=180) == 0
-        later = [r for r in round_records(runs[2]) if r["step"] > killed_step]
-        assert any("dense" in r["applied_groups"] and r["dense_group"] >= 2 for r in later), later
+        later = [r for r in round_records(runs[2]) if r.step > killed_step]
+        assert any("dense" in r.applied_groups and r.dense_group >= 2 for r in later), later
     finally:
         for p in [
             *procs,

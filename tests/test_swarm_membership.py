@@ -50,7 +50,7 @@ def test_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
         assert joined < fresh - 0.3, (fresh, joined)
         assert joined < max(trained[len(trained) // 3 :]) + 0.05, (joined, trained)
         # and it averages with the others afterwards
-        assert any(r["dense_group"] >= 2 and "dense" in r["applied_groups"] for r in round_records(runs[2]))
+        assert any(r.dense_group >= 2 and "dense" in r.applied_groups for r in round_records(runs[2]))
     finally:
         reap([*procs, late])
 
@@ -102,11 +102,11 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
         assert fast > 2 * slow > 0, (fast, slow)
         for j in (0, 2):
             rounds = round_records(runs[j])
-            assert all(r["sync_seconds"] <= 30 + 5 for r in rounds if not r.get("final"))
-            assert rounds[-1].get("final") and rounds[-1]["final_unsettled"] == [], rounds[-1]
+            assert all(r.sync_seconds <= 30 + 5 for r in rounds if not r.last)
+            assert rounds[-1].last and rounds[-1].final_unsettled == [], rounds[-1]
         # they end with the same dense weights: averaged together, or (where the last round failed on one
         # side) one adopted the other's copy in the final agreement, fp16 on the wire
-        adopted = any("dense" in round_records(runs[j])[-1]["final_adopted"] for j in (0, 2))
+        adopted = any("dense" in round_records(runs[j])[-1].final_adopted for j in (0, 2))
         a, b = ckpts[0].model, ckpts[2].model
         for k in a:
             if ".experts." not in k:

@@ -1,6 +1,6 @@
 """After the last round: make every replica of a tensor group the same, even where that round failed.
 
-    adopted = agree_on_final_copies(dht, run_id, me, groups, timeout=10)
+    adopted, unsettled = agree_on_final_copies(store, run_id, me, items, fetch, serve, timeout=10, ...)
 
 A synchronous last round normally leaves the holders of each group equal. But a round can fail on one
 holder and not on another (hivemind may drop a member during matchmaking; a digest may arrive after a
@@ -15,46 +15,33 @@ winner from the same digests, so no further messages are needed.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import hivemind
 import torch
-from hivemind.utils import get_dht_time
 
-from swarm.model import MoETransformer
-from swarm.net.averaging import AveragingGroup, download_state
-from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, snapshot
 from swarm.net.records import Heartbeat
 from swarm.net.round_consensus import digest, digests_agree
+from swarm.net.transport import Store
 from swarm.sync import RejectedTensor, check_tensors
 
 
-@dataclass
-class FinalGroup:
-    """One tensor group to agree on: its averaging group (which serves it), the live tensors, and the
-    peers (other than us) that hold it and are finishing too."""
+@dataclass(frozen=True)
+class FinalItem:
+    """One item to agree on (the dense weights, or one expert): the live tensors, and the peers (other than
+    us) that hold it and are finishing too."""
 
-    group: AveragingGroup
     tensors: list[torch.Tensor]
-    others: set[str]
+    others: frozenset[str]
 
 
-def final_groups(
-    peers: Mapping[str, Heartbeat],
-    me: str,
-    dense_group: AveragingGroup,
-    expert_groups: Mapping[int, AveragingGroup],
-    model: MoETransformer,
-) -> dict[str, FinalGroup]:
-    """The groups to settle: the dense weights among every other finishing peer, each of our experts among
-    its finishing holders."""
+def finishing_holders(peers: Mapping[str, Heartbeat], me: str, item: str) -> frozenset[str]:
+    """The other finishing peers that hold ``item``: every one for the dense weights."""
     ending = {p for p, hb in peers.items() if hb.state in ("finishing", "done")} - {me}
-    groups = {"dense": FinalGroup(dense_group, dense_tensors(model), ending)}
-    for e, group in expert_groups.items():
-        holders = {p for p, hb in peers.items() if e in hb.experts}
-        groups[f"expert{e}"] = FinalGroup(group, expert_tensors(model, e), ending & holders)
-    return groups
+    if item == "dense":
+        return frozenset(ending)
+    e = int(item.removeprefix("expert"))
+    return frozenset(p for p in ending if e in peers[p].experts)
 
 
 def winner(copies: dict[str, list[float]]) -> str:
@@ -65,69 +52,67 @@ def winner(copies: dict[str, list[float]]) -> str:
 
 
 def agree_on_final_copies(
-    dht: hivemind.DHT,
+    store: Store,
     run_id: str,
     me: str,
-    groups: dict[str, FinalGroup],
-    meta: dict,
+    items: dict[str, FinalItem],
+    fetch: Callable[[str, str], list[torch.Tensor] | None],
+    serve: Callable[[str, list[torch.Tensor]], None],
     timeout: float,
     max_rel_distance: float,
     window: float = 60.0,
     poll: float = 0.25,
 ) -> tuple[list[str], list[str]]:
-    """Returns (groups whose copy we replaced with the winner's, groups we could not settle and why).
+    """Returns (items whose copy we replaced with the winner's, items we could not settle and why).
+    ``fetch(peer, item)`` downloads a peer's copy; ``serve(item, tensors)`` makes ours what we serve.
     Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored."""
-    started = get_dht_time()
+    started = store.now()
 
     def announce(name: str, value: list[float]) -> None:
-        record = {"digest": value, "time": get_dht_time()}
-        dht.store(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, return_future=True)
+        record = {"digest": value, "time": store.now()}
+        store.put(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, timeout=timeout)
 
     mine = {}
-    for name, g in groups.items():
-        local = snapshot(g.tensors)
-        g.group.publish(local, meta)  # served before the digest is out: whoever adopts ours gets this copy
-        mine[name] = digest(local)
+    for name, item in items.items():
+        copy = [t.detach().to("cpu", torch.float32, copy=True) for t in item.tensors]
+        serve(name, copy)  # served before the digest is out: whoever adopts ours gets this copy
+        mine[name] = digest(copy)
         announce(name, mine[name])
     seen: dict[str, dict[str, list[float]]] = {name: {me: d} for name, d in mine.items()}
     deadline = time.monotonic() + timeout
-    pending = {name for name, g in groups.items() if g.others}
+    pending = {name for name, item in items.items() if item.others}
     while pending and time.monotonic() < deadline:
         for name in list(pending):
-            try:
-                found = dht.get(f"{run_id}_final_{name}", latest=True, return_future=True).result(
-                    timeout=max(0.1, deadline - time.monotonic())
-                )
-            except Exception:
-                found = None
-            value = found.value if found is not None and isinstance(found.value, dict) else {}
-            for peer, item in value.items():
-                v = getattr(item, "value", None)
+            found = store.get_subkeys(f"{run_id}_final_{name}", max(0.1, deadline - time.monotonic()))
+            for peer, (v, _) in (found or {}).items():
                 recent = isinstance(v, dict) and isinstance(v.get("time"), (int, float))
-                if peer in groups[name].others and recent and v["time"] > started - window:
-                    if isinstance(v.get("digest"), list) and len(v["digest"]) == len(mine[name]):
-                        seen[name][peer] = v["digest"]
-            if groups[name].others <= set(seen[name]):
+                if peer in items[name].others and recent and v["time"] > started - window:
+                    d = v.get("digest")
+                    if isinstance(d, list) and len(d) == len(mine[name]):
+                        seen[name][peer] = d
+            if items[name].others <= set(seen[name]):
                 pending.discard(name)
         if pending:
             time.sleep(poll)
     adopted, unsettled = [], []
-    for name, g in groups.items():
+    for name, item in items.items():
         best = winner(seen[name])
         if best == me or digests_agree(mine[name], seen[name][best]):
             continue
-        got = download_state(dht, best, g.group.prefix, timeout=max(1.0, timeout))
-        if got is None:
+        tensors = fetch(best, name)
+        if tensors is None:
             unsettled.append(f"{name}: no copy from {best[-8:]}")
             continue
-        tensors = [t.float() for t in got[1]]
+        tensors = [t.float() for t in tensors]
         try:
-            check_tensors(name, tensors, snapshot(g.tensors), max_rel_distance)
+            check_tensors(name, tensors, item.tensors, max_rel_distance)
         except RejectedTensor as e:
             unsettled.append(f"{name}: {e}")
             continue
-        overwrite(g.tensors, tensors)
-        g.group.publish(tensors, meta)
+        with torch.no_grad():
+            for dst, src in zip(item.tensors, tensors, strict=True):
+                dst.copy_(src.to(dst.device, dst.dtype))
+        serve(name, tensors)
         announce(name, digest(tensors))  # a peer that arrives later sees the copy we hold now
         adopted.append(name)
     return adopted, unsettled

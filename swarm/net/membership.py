@@ -1,6 +1,6 @@
 """This peer's heartbeat and its view of the swarm: who is live, who holds which expert, which are orphans.
 
-    members = Membership(dht, "demo", timing, experts=[0, 1, 2, 3], orphan_grace_s=60.0)
+    members = Membership(store, me, "demo", timing, experts=[0, 1, 2, 3], n_experts=16, orphan_grace_s=60.0)
     members.view.holders[5]                  # an immutable view, swapped in whole after each read
     members.report_step(step, tokens, loss, step_tokens)
     members.claimed                          # experts claimed for an orphan but not switched to yet, or None
@@ -20,9 +20,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
-
-import hivemind
 
 from swarm.net.records import (
     Heartbeat,
@@ -32,7 +29,9 @@ from swarm.net.records import (
     withdraw_heartbeat,
 )
 from swarm.net.timing import Timing
+from swarm.net.transport import Store
 from swarm.sync import orphan_claim_rank, orphan_swap
+from swarm.train.round_record import RoundRecord
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,15 @@ class Membership:
 
     def __init__(
         self,
-        dht: hivemind.DHT,
+        store: Store,
+        me: str,
         run_id: str,
         timing: Timing,
         experts: list[int],
         n_experts: int,
         orphan_grace_s: float,
     ) -> None:
-        self.dht, self.run_id, self.me, self.timing = dht, run_id, dht.peer_id.to_base58(), timing
+        self.store, self.run_id, self.me, self.timing = store, run_id, me, timing
         self.n_experts, self.orphan_grace_s = n_experts, orphan_grace_s
         self.view = MembershipView(holders={e: frozenset() for e in range(n_experts)})
         self._local = list(experts)
@@ -77,7 +77,7 @@ class Membership:
 
     # -- reading the swarm ---------------------------------------------------------------------------------
     def refresh(self) -> None:
-        beats = read_heartbeats(self.dht, self.run_id, timeout=self.timing.heartbeat_s)
+        beats = read_heartbeats(self.store, self.run_id, timeout=self.timing.heartbeat_s)
         if self.me not in beats:  # the DHT did not answer (or our record is not out yet): learn nothing
             return
         holders = expert_holders(beats, self.n_experts)
@@ -93,7 +93,7 @@ class Membership:
         """Until every other live peer says it is done (it may still download from us), at most ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            beats = read_heartbeats(self.dht, self.run_id, timeout=self.timing.heartbeat_s)
+            beats = read_heartbeats(self.store, self.run_id, timeout=self.timing.heartbeat_s)
             if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):
                 return
             time.sleep(0.5)
@@ -103,7 +103,7 @@ class Membership:
         with self._lock:
             hb = replace(self._hb, experts=list(self._hb.experts))
         t = self.timing
-        publish_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=t.record_ttl_s, timeout=t.heartbeat_s)
+        publish_heartbeat(self.store, self.run_id, self.me, hb, ttl_s=t.record_ttl_s, timeout=t.heartbeat_s)
 
     def report_step(self, step: int, tokens: int, loss: float, step_tokens: int) -> None:
         now = time.monotonic()
@@ -115,14 +115,14 @@ class Membership:
             hb.step, hb.tokens, hb.loss = step, tokens, loss
             self._last_step_time = now
 
-    def record_round(self, rec: dict[str, Any]) -> None:
+    def record_round(self, rec: RoundRecord) -> None:
         with self._lock:
             hb = self._hb
-            hb.last_round, hb.last_round_time = rec["round"], time.time()
-            hb.bytes_sent += rec.get("bytes_sent", 0)
-            hb.bytes_recv += rec.get("bytes_recv", 0)
-            hb.rounds_ok += int(not rec["rejected"])
-            hb.rounds_failed += int(bool(rec["rejected"]))
+            hb.last_round, hb.last_round_time = rec.round, time.time()
+            hb.bytes_sent += rec.bytes_sent
+            hb.bytes_recv += rec.bytes_recv
+            hb.rounds_ok += int(not rec.rejected)
+            hb.rounds_failed += int(bool(rec.rejected))
 
     def set_state(self, state: str) -> None:
         """Publish ``state`` now. From "finishing" on, no orphan is claimed and a pending claim is void."""
@@ -187,4 +187,4 @@ class Membership:
         self._thread.join(timeout=2 * self.timing.heartbeat_s)  # no heartbeat may land after the withdrawal
         with self._lock:
             hb = replace(self._hb, experts=list(self._hb.experts))
-        withdraw_heartbeat(self.dht, self.run_id, self.me, hb, ttl_s=self.timing.record_ttl_s)  # at once
+        withdraw_heartbeat(self.store, self.run_id, self.me, hb, ttl_s=self.timing.record_ttl_s)  # at once

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import hivemind
-from hivemind.utils import get_dht_time
+
+from swarm.net.transport import Store
 
 CONFIG_TTL_S = 24 * 3600.0
 
@@ -62,66 +63,61 @@ class Heartbeat:
         return hb
 
 
-def _result(future, timeout: float):
-    try:
-        return future.result(timeout=timeout)
-    except Exception:  # timeouts and network errors: the caller treats it as "nothing known"
-        return None
+def as_store(store_or_dht: Store | hivemind.DHT) -> Store:
+    """Callers may hand a hivemind DHT (the dashboard, tools): wrap it."""
+    if isinstance(store_or_dht, hivemind.DHT):
+        from swarm.net.hivemind_transport import HivemindStore
+
+        return HivemindStore(store_or_dht)
+    return store_or_dht
 
 
 def check_or_publish_fingerprint(
-    dht: hivemind.DHT, run_id: str, fingerprint: str, timeout: float = 10.0
+    store: Store | hivemind.DHT, run_id: str, fingerprint: str, timeout: float = 10.0
 ) -> None:
     """Refuse a swarm whose published fingerprint differs; publish ours when none is there yet."""
-    key = f"{run_id}_config"
-    found = _result(dht.get(key, latest=True, return_future=True), timeout)
-    if found is not None and found.value != fingerprint:
+    store, key = as_store(store), f"{run_id}_config"
+    found = store.get(key, timeout)
+    if found is not None and found != fingerprint:
         raise FingerprintMismatch(
             f"run {run_id!r} in this swarm trains another model (config fingerprint "
-            f"{found.value}, ours {fingerprint}); use the swarm's config or another run_id"
+            f"{found}, ours {fingerprint}); use the swarm's config or another run_id"
         )
     if found is None:
-        _result(dht.store(key, fingerprint, get_dht_time() + CONFIG_TTL_S, return_future=True), timeout)
+        store.put(key, fingerprint, store.now() + CONFIG_TTL_S, timeout=timeout)
 
 
 def publish_heartbeat(
-    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 10.0
+    store: Store | hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 10.0
 ) -> bool:
-    now = get_dht_time()
+    store = as_store(store)
+    now = store.now()
     value = hb.to_value() | {"sent_at": now}
-    fut = dht.store(f"{run_id}_peers", value, now + ttl_s, subkey=peer_id, return_future=True)
-    return bool(_result(fut, timeout))
+    return store.put(f"{run_id}_peers", value, now + ttl_s, subkey=peer_id, timeout=timeout)
 
 
 def withdraw_heartbeat(
-    dht: hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 5.0
+    store: Store | hivemind.DHT, run_id: str, peer_id: str, hb: Heartbeat, ttl_s: float, timeout: float = 5.0
 ) -> None:
     """Replace our record with a ``leaving`` one, which readers skip (hivemind has no delete). It must
     outlive the record it replaces (``ttl_s`` as published): hivemind ignores a store that expires sooner."""
+    store = as_store(store)
     hb.state = "leaving"
-    now = get_dht_time()
+    now = store.now()
     value = hb.to_value() | {"sent_at": now}
-    fut = dht.store(f"{run_id}_peers", value, now + ttl_s + 1, subkey=peer_id, return_future=True)
-    _result(fut, timeout)
+    store.put(f"{run_id}_peers", value, now + ttl_s + 1, subkey=peer_id, timeout=timeout)
 
 
 def read_heartbeats(
-    dht: hivemind.DHT, run_id: str, timeout: float = 10.0
+    store: Store | hivemind.DHT, run_id: str, timeout: float = 10.0
 ) -> dict[str, tuple[Heartbeat, float]]:
-    """Live peers: {peer id: (heartbeat, expiration time)}. Empty when the DHT does not answer in time."""
-    found = _result(dht.get(f"{run_id}_peers", latest=True, return_future=True), timeout)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    now, out = get_dht_time(), {}
-    for subkey, item in found.value.items():
-        hb = Heartbeat.from_value(getattr(item, "value", None))
-        if (
-            hb is not None
-            and isinstance(subkey, str)
-            and item.expiration_time > now
-            and hb.state != "leaving"
-        ):
-            out[subkey] = (hb, item.expiration_time)
+    """Live peers: {peer id: (heartbeat, expiration time)}. Empty when the store does not answer in time."""
+    found = as_store(store).get_subkeys(f"{run_id}_peers", timeout)
+    out = {}
+    for subkey, (value, expiration) in (found or {}).items():
+        hb = Heartbeat.from_value(value)
+        if hb is not None and hb.state != "leaving":
+            out[subkey] = (hb, expiration)
     return out
 
 

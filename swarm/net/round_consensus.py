@@ -17,12 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import hivemind
 import msgpack
 import torch
-from hivemind.utils import get_dht_time
+
+from swarm.net.transport import Store
 
 SEGMENTS = 16
+MAX_PAIRS = 96
 REL_TOLERANCE = 1e-4
 
 
@@ -32,20 +33,28 @@ def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> s
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Per tensor and per segment: (sum of |x|, a signed random projection)."""
-    out: list[float] = []
-    for t in tensors:
+    """Per tensor and per segment: (sum of |x|, a signed random projection), folded into at most
+    ``MAX_PAIRS`` pairs (slot = segment number mod MAX_PAIRS) so that a record stays small whatever the
+    number of tensors (hivemind refuses values of a few KB)."""
+    pairs: list[list[float]] = []
+    for i, t in enumerate(tensors):
         flat = t.detach().reshape(-1).double()
         gen = torch.Generator().manual_seed(flat.numel())
         signs = torch.randint(0, 2, (flat.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
-        for seg, sgn in zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True):
-            out += [float(seg.abs().sum()), float((seg * sgn).sum())]
-    return out
+        for j, (seg, sgn) in enumerate(
+            zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True)
+        ):
+            slot = (i * SEGMENTS + j) % MAX_PAIRS
+            if slot == len(pairs):
+                pairs.append([0.0, 0.0])
+            pairs[slot][0] += float(seg.abs().sum())
+            pairs[slot][1] += float((seg * sgn).sum())
+    return [x for pair in pairs for x in pair]
 
 
 def digests_agree(a: Sequence[float], b: Sequence[float]) -> bool:
-    if len(a) != len(b):
-        return False
+    if len(a) != len(b) or not all(isinstance(x, (int, float)) for x in (*a, *b)):
+        return False  # another peer's digest may be anything
     for i in range(0, len(a), 2):
         scale = abs(a[i]) + abs(b[i]) + 1e-12  # sums of |x| bound every projection of the segment
         if abs(a[i] - b[i]) > REL_TOLERANCE * scale or abs(a[i + 1] - b[i + 1]) > REL_TOLERANCE * scale:
@@ -54,7 +63,7 @@ def digests_agree(a: Sequence[float], b: Sequence[float]) -> bool:
 
 
 def confirm_round(
-    dht: hivemind.DHT,
+    store: Store,
     key: str,
     me: str,
     members: Sequence[str],
@@ -64,22 +73,12 @@ def confirm_round(
 ) -> tuple[bool, str]:
     """Publish our digest and wait until every member's digest is in and agrees. Returns (ok, reason)."""
     deadline = time.monotonic() + timeout
-    try:
-        dht.store(key, mine, get_dht_time() + 60 + timeout, subkey=me, return_future=True).result(
-            timeout=timeout
-        )
-    except Exception as e:
-        return False, f"could not publish digest: {type(e).__name__}"
+    if not store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=timeout):
+        return False, "could not publish digest"
     others = set(members) - {me}
     while True:
-        try:
-            found = dht.get(key, latest=True, return_future=True).result(
-                timeout=max(0.1, deadline - time.monotonic())
-            )
-        except Exception:
-            found = None
-        value = found.value if found is not None and isinstance(found.value, dict) else {}
-        seen = {peer: item.value for peer, item in value.items() if isinstance(peer, str)}
+        found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
+        seen = {peer: value for peer, (value, _) in found.items()}
         for peer in others & set(seen):
             theirs = seen[peer]
             if not isinstance(theirs, list) or not digests_agree(mine, theirs):

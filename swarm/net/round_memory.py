@@ -6,7 +6,8 @@ A round holds on the host, until the training thread applies it:
   - downloaded non-local experts, as they came off the wire (fp16).
 Non-local experts are read in place (one tensor at a time, for checks and the merge warm-up), never copied
 whole. Besides the round, each averaging group keeps one fp32 host buffer of its tensors for as long as the
-peer runs (hivemind's averager shares it with its process); that is listed separately.
+peer runs (hivemind's averager shares it with its process; the dense group also serves from it between
+rounds), and the expert server an fp16 copy of each local expert; those are listed separately.
 
     parts = round_host_bytes(cfg.model, n_local=4)
     parts.round_total, parts.averager_buffers
@@ -43,6 +44,7 @@ class RoundHostBytes:
     results: int
     downloads: int
     averager_buffers: int
+    served_copies: int  # the expert server's fp16 copies of the local experts
     frozen_snapshot_before: int  # what the round used to hold besides: an fp32 copy of every non-local expert
     downloads_fp32_before: int  # and its downloads converted to fp32
 
@@ -70,6 +72,7 @@ def round_host_bytes(cfg: ModelConfig, n_local: int) -> RoundHostBytes:
         results=FP32 * averaged,
         downloads=WIRE * others,
         averager_buffers=FP32 * averaged,
+        served_copies=WIRE * n_local * expert_elements(cfg),
         frozen_snapshot_before=FP32 * others,
         downloads_fp32_before=FP32 * others,
     )

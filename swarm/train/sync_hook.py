@@ -1,16 +1,18 @@
 """The one seam between the local trainer and the swarm.
 
 The trainer calls ``hook.after_step(...)`` after every optimizer step and logs whatever round records it
-returns. A networked implementation (the swarm) snapshots, averages and applies weights there; ``NoSync``
+returns (``SyncReply``). A networked implementation (the swarm) snapshots, averages and applies weights there; ``NoSync``
 serves a solo peer and the tests. The trainer never touches the network itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from swarm.train.round_record import RoundRecord
 
 
 @dataclass
@@ -25,19 +27,23 @@ class StepReport:
     last: bool = False  # the trainer stops after this step (its step or time limit is reached)
 
 
+@dataclass(frozen=True)
+class SyncReply:
+    """What the hook hands back after a step: round records to log, and the experts the swarm wants this
+    peer to train from now on (an orphan re-claim), or None. The trainer switches, then calls
+    ``experts_changed``."""
+
+    records: list[RoundRecord] = field(default_factory=list)
+    switch_to: list[int] | None = None
+
+
 class SyncHook(Protocol):
-    def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
-        """Run or advance a synchronisation round; may update ``model``'s weights in place.
-        Returns per-round records to append to metrics.jsonl (empty when nothing happened)."""
+    def after_step(self, model: torch.nn.Module, report: StepReport) -> SyncReply:
+        """Run or advance a synchronisation round; may update ``model``'s weights in place."""
         ...
 
-    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[RoundRecord]:
         """Training is over: complete a last round synchronously (so replicas agree) and return records."""
-        ...
-
-    def wanted_experts(self) -> list[int] | None:
-        """The experts the swarm wants this peer to train instead of its current ones (an orphan
-        re-claim), or None. The trainer then switches and calls ``experts_changed``."""
         ...
 
     def experts_changed(self, model: torch.nn.Module) -> None: ...
@@ -48,14 +54,11 @@ class SyncHook(Protocol):
 class NoSync:
     """A peer with no swarm: nothing to average. Used by ``swarm-peer --solo``."""
 
-    def after_step(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
-        return []
+    def after_step(self, model: torch.nn.Module, report: StepReport) -> SyncReply:
+        return SyncReply()
 
-    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[dict[str, Any]]:
+    def last_round(self, model: torch.nn.Module, report: StepReport) -> list[RoundRecord]:
         return []
-
-    def wanted_experts(self) -> list[int] | None:
-        return None
 
     def experts_changed(self, model: torch.nn.Module) -> None:
         pass

@@ -339,8 +339,8 @@ class Trainer:
                     rec["loss"],
                     last=self.step == target or out_of_time,
                 )
-                records = self.sync.after_step(self.model, report)
-                wanted = self.sync.wanted_experts()
+                reply = self.sync.after_step(self.model, report)
+                records, wanted = [r.to_dict() for r in reply.records], reply.switch_to
                 if self.ranks is not None:  # rank 0's round results and decisions reach every rank
                     wanted, out_of_time = self.ranks.share_decisions(
                         self.model, self.step, records, wanted, out_of_time
@@ -378,7 +378,7 @@ class Trainer:
             report = StepReport(
                 self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
             )
-            final = self.sync.last_round(self.model, report)
+            final = [r.to_dict() for r in self.sync.last_round(self.model, report)]
             if self.ranks is not None:
                 self.ranks.share_decisions(self.model, self.step, final, None, True)
             for round_rec in final:

@@ -1,46 +1,49 @@
-"""The network layer with real hivemind processes on 127.0.0.1: averaging groups, downloads, consensus."""
+"""The hivemind transport with real hivemind processes on 127.0.0.1: groups, serving, consensus, records."""
 
 import multiprocessing as mp
+import signal
+import sys
 import time
 
 import pytest
 import torch
 
-from swarm.net.averaging import AveragingGroup, download_state
 from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.hivemind_group import HivemindGroup
+from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import confirm_round, digest, digests_agree
+from swarm.net.timing import Timing
 
 pytestmark = pytest.mark.timeout(180)
+TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
+                final_agreement_s=5.0)  # fmt: skip
 
 
 def _member(i, maddrs, out):
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our DHT and p2pd
     dht = start_dht(maddrs)
     try:
+        transport = HivemindTransport(dht, TIMING)
         tensors = [torch.full((1000,), float(i + 1)), torch.arange(12.0).view(3, 4) * (i + 1)]
-        group = AveragingGroup(dht, "t_dense", tensors, matchmaking_time=3.0, allreduce_timeout=30)
+        group = transport.open("t_dense", tensors)
+        server = transport.open_server("t_experts")
+        server.serve(
+            [torch.full((4,), float(i), dtype=torch.float16)],
+            {"items": ["expert0"], "steps": [i], "last": [False]},
+        )
         time.sleep(1.0)
-        control = group.start(
-            tensors, weight=float(i + 1), info={"i": i, "weight": i + 1}, matchmaking_timeout=20
-        )
-        got = group.outcome(control, timeout=40, meta={"step": 7})
-        out.put(
-            (
-                i,
-                got.ok,
-                got.reason,
-                [t.tolist() for t in got.tensors],
-                sorted(got.members),
-                dht.peer_id.to_base58(),
-            )
-        )
+        handle = group.start(iter(tensors), {"i": i}, matchmaking_s=20)
+        got = group.outcome(handle, timeout=40)
+        group.serve(got.tensors, {"step": 7})
+        out.put((i, got.ok, got.reason, [t.tolist() for t in got.tensors], sorted(got.members), transport.me))
         time.sleep(6)  # keep serving downloads for a moment
-        group.shutdown()
+        transport.close_groups([group, server])
     finally:
         dht.shutdown()
 
 
-def test_group_average_is_the_exact_weighted_mean_and_is_served():
+def test_members_average_to_the_exact_mean_and_serve_copies():
     boot = start_dht()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
@@ -49,20 +52,28 @@ def test_group_average_is_the_exact_weighted_mean_and_is_served():
         for p in procs:
             p.start()
         results = sorted(out.get(timeout=90) for _ in procs)
-        want0 = (1 * 1 + 2 * 2 + 3 * 3) / 6
+        want0 = (1 + 2 + 3) / 3
         for _i, ok, reason, tensors, members, _ in results:
             assert ok, reason
             assert len(members) == 3
             assert max(abs(v - want0) for v in tensors[0]) < 1e-6
             assert torch.allclose(torch.tensor(tensors[1]), torch.arange(12.0).view(3, 4) * want0, atol=1e-5)
-        meta, served = download_state(boot, results[0][5], "t_dense", timeout=20)
-        assert meta == {"step": 7}
-        assert abs(served[0][0].item() - want0) < 2e-3  # fp16 on the wire
+        transport = HivemindTransport(boot, TIMING)
+        served = transport.fetch(results[0][5], "t_dense", timeout=20)
+        assert served.meta == {"step": 7}
+        assert served.tensors[0].dtype == torch.float32 and served.tensors[0][0].item() == want0  # exact
+        served = transport.fetch(results[2][5], "t_experts", timeout=20)
+        assert served.meta["items"] == ["expert0"] and served.tensors[0].dtype == torch.float16
+        assert served.tensors[0].tolist() == [2.0] * 4
+        assert transport.fetch("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo", "t_dense", 3) is None
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0
     finally:
         for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=15)
             if p.is_alive():
                 p.kill()
         boot.shutdown()
@@ -85,14 +96,15 @@ def test_round_confirmed_only_when_every_member_agrees():
         me, other = dht1.peer_id.to_base58(), dht2.peer_id.to_base58()
         d = digest([torch.ones(100)])
         # the other member never reports (it died mid-round): rejected after the timeout
-        ok, why = confirm_round(dht1, "t_key1", me, [me, other], d, timeout=2.0)
+        store1 = HivemindStore(dht1)
+        ok, why = confirm_round(store1, "t_key1", me, [me, other], d, timeout=2.0)
         assert not ok and "no digest" in why
         # it reports a different result (part of the tensor never averaged): rejected
         dht2.store("t_key2", digest([torch.full((100,), 2.0)]), time.time() + 60, subkey=other)
-        ok, why = confirm_round(dht1, "t_key2", me, [me, other], d, timeout=5.0)
+        ok, why = confirm_round(store1, "t_key2", me, [me, other], d, timeout=5.0)
         assert not ok and "differs" in why
         dht2.store("t_key3", d, time.time() + 60, subkey=other)
-        assert confirm_round(dht1, "t_key3", me, [me, other], d, timeout=5.0) == (True, "")
+        assert confirm_round(store1, "t_key3", me, [me, other], d, timeout=5.0) == (True, "")
     finally:
         dht2.shutdown()
         dht1.shutdown()
@@ -123,12 +135,12 @@ def test_groups_hold_host_fp32_tensors_whatever_the_models_device():
     dht = start_dht()
     try:
         like = [torch.empty(3, 8, dtype=torch.bfloat16, device="meta"), torch.empty(5, device="meta")]
-        group = AveragingGroup(dht, "t_meta", like)
+        group = HivemindGroup(dht, "t_meta", like)
         try:
             with group.averager.get_tensors() as held:
                 got = [(t.device.type, t.dtype, tuple(t.shape)) for t in held]
             assert got == [("cpu", torch.float32, (3, 8)), ("cpu", torch.float32, (5,))]
         finally:
-            group.shutdown()
+            group.close()
     finally:
         dht.shutdown()

@@ -1,0 +1,150 @@
+"""Which tensors are averaged together: the dense weights in one group, and the local experts that have the
+same holders in one group each, so that a peer runs a fixed handful of averagers whatever its experts.
+
+    specs, sole = layout("demo", me, local=[0, 1, 2, 3], holders=view.holders)
+    tensors = pack(spec, {"expert0": [...], ...}, {"expert0": 2.5, ...})   # w * x per item, then the w's
+    averages, weights = unpack(spec, outcome.tensors, sizes)               # sum(w x) / sum(w) per item
+
+Members average with equal weight, so sending w * x and w gives every item its exact token-weighted mean
+(mean(w x) / mean(w)), each expert with its own weights inside one group. The weights that arrive back
+are also the mean of what the members really sent, which the round compares with what they claimed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.net.transport import Group, GroupTransport
+
+DENSE = "dense"
+MAX_NAME = 64
+
+
+def expert_item(e: int) -> str:
+    return f"expert{e}"
+
+
+def item_expert(item: str) -> int:
+    return int(item.removeprefix("expert"))
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """An averaging group: its name (the same on every member) and its items, in order."""
+
+    name: str
+    items: tuple[str, ...]
+
+
+def experts_group_name(run_id: str, experts: Sequence[int]) -> str:
+    name = f"{run_id}_experts_" + "_".join(map(str, sorted(experts)))
+    if len(name) > MAX_NAME:  # DHT keys stay short; the hash still names exactly this set
+        name = f"{run_id}_experts_{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    return name
+
+
+def layout(
+    run_id: str, me: str, local: Sequence[int], holders: Mapping[int, frozenset[str]]
+) -> tuple[list[GroupSpec], list[int]]:
+    """The dense group, one group per set of local experts with the same holders (as this view sees
+    them), and the experts we hold alone (nothing to average; they are only served)."""
+    by_holders: dict[frozenset[str], list[int]] = {}
+    sole = []
+    for e in sorted(local):
+        who = frozenset(holders.get(e, frozenset())) | {me}
+        if who == {me}:
+            sole.append(e)
+        else:
+            by_holders.setdefault(who, []).append(e)
+    specs = [GroupSpec(f"{run_id}_dense", (DENSE,))]
+    for experts in sorted(by_holders.values()):
+        specs.append(GroupSpec(experts_group_name(run_id, experts), tuple(map(expert_item, experts))))
+    return specs, sole
+
+
+def pack(
+    spec: GroupSpec, tensors: Mapping[str, Sequence[torch.Tensor]], weights: Mapping[str, float]
+) -> Iterator[torch.Tensor]:
+    """w * x for each item's tensors, one at a time (the caller copies each into its buffer), then the
+    vector of weights."""
+    for item in spec.items:
+        for t in tensors[item]:
+            yield t * weights[item]
+    yield torch.tensor([float(weights[item]) for item in spec.items], dtype=torch.float32)
+
+
+def packed_like(spec: GroupSpec, like: Mapping[str, Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Host fp32 buffers of the packed shapes."""
+    out = [torch.zeros(t.shape, dtype=torch.float32) for item in spec.items for t in like[item]]
+    return [*out, torch.zeros(len(spec.items), dtype=torch.float32)]
+
+
+def unpack(
+    spec: GroupSpec, tensors: list[torch.Tensor], sizes: Mapping[str, int]
+) -> tuple[dict[str, list[torch.Tensor]], list[float]]:
+    """({item: sum(w x) / sum(w)}, mean weight per item) from an averaged packed list (divided in place)."""
+    weights = [float(w) for w in tensors[-1]]
+    out, i = {}, 0
+    for item, w in zip(spec.items, weights, strict=True):
+        part = tensors[i : i + sizes[item]]
+        i += sizes[item]
+        if w > 0:
+            for t in part:
+                t.div_(w)
+        out[item] = part
+    if i != len(tensors) - 1:
+        raise ValueError(f"{spec.name}: {len(tensors)} tensors do not match the group's items")
+    return out, weights
+
+
+def served_items(meta: Mapping, tensors: list[torch.Tensor], sizes: Mapping[str, int]) -> dict[str, list]:
+    """Split what a peer serves (``meta["items"]`` names its items in order) into items; {} if malformed."""
+    items = meta.get("items") if isinstance(meta, Mapping) else None
+    if not isinstance(items, list) or not all(isinstance(i, str) and i in sizes for i in items):
+        return {}
+    if sum(sizes[i] for i in items) != len(tensors):
+        return {}
+    out, k = {}, 0
+    for item in items:
+        out[item] = tensors[k : k + sizes[item]]
+        k += sizes[item]
+    return out
+
+
+class OpenGroups:
+    """The groups this peer has open, by name: opened on first use, reused round after round, and closed
+    when a new layout no longer needs them (between rounds)."""
+
+    def __init__(self, transport: GroupTransport) -> None:
+        self.transport = transport
+        self._open: dict[str, Group] = {}
+        self._lock = threading.Lock()  # the round thread opens, the training thread retires
+
+    def get(self, spec: GroupSpec, like: Mapping[str, Sequence[torch.Tensor]]) -> Group:
+        with self._lock:
+            group = self._open.get(spec.name)
+        if group is None:  # opening may take a second (hivemind starts a process): outside the lock
+            group = self.transport.open(spec.name, packed_like(spec, like))
+            with self._lock:
+                self._open[spec.name] = group
+        return group
+
+    def retire(self, keep: set[str]) -> list[Group]:
+        """Remove and return the groups not named in ``keep`` (the caller closes them)."""
+        with self._lock:
+            gone = [name for name in self._open if name not in keep]
+            return [self._open.pop(name) for name in gone]
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return set(self._open)
+
+    def take_all(self) -> list[Group]:
+        with self._lock:
+            groups, self._open = list(self._open.values()), {}
+        return groups

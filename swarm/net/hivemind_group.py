@@ -1,0 +1,227 @@
+"""A ``Group`` on hivemind: one DecentralizedAverager (its own process) per group name.
+
+    group = HivemindGroup(dht, "demo_dense", like=[...])   # host fp32 buffers of the packed shapes
+    handle = group.start(tensors, info, matchmaking_s=5.0)  # returns at once; the all-reduce runs in the
+    outcome = group.outcome(handle, timeout=60.0)           # averager's process; GroupOutcome
+    group.serve(tensors, meta)                              # a copy downloaders get (``download_state``)
+
+Peers that use the same name are matched by hivemind into one group. Members average with equal weight
+(the weights travel inside the tensors). hivemind reports success for partially averaged tensors and
+trusts every sender (NOTES.md): the round verifies every outcome before using it. The served copy is held
+apart from the averaging buffer, so a download never sees a half-averaged tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.utils import MSGPackSerializer
+
+from swarm.net.dht_node import hivemind_child_signals
+from swarm.net.transport import GroupOutcome
+
+MAX_INFO_BYTES = 4096
+SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
+BUFFER_LOCK_S = 2.0  # an all-reduce still holding the buffers after its timeout: give up the round
+
+
+class _ServingAverager(hivemind.DecentralizedAverager):
+    """Serves the copy set by ``HivemindGroup.serve`` plus its metadata (runs in the host process)."""
+
+    def get_current_state(self):
+        lock = getattr(self, "serve_lock", None)
+        if lock is None:
+            return {}, [], None
+        with lock:
+            meta, tensors = dict(self.served[0]), self.served[1]
+        if not meta:  # not serving (before the first round, or while the buffers are being averaged)
+            return {}, [], None
+        if tensors is None:  # an averaging group serves its buffers, which hold its last result
+            with self.get_tensors() as buffers:
+                tensors = [t.clone() for t in buffers]
+        return meta, list(tensors), None
+
+    async def _shutdown(self, timeout):
+        # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
+        # behind; close it so that a clean exit leaves nothing
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                await p2p.shutdown()
+
+
+class HivemindGroup:
+    """See the module docstring. ``like``: the buffers' shapes, or None for a group that only serves (its
+    copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_fp16``:
+    served copies travel as fp16 (expert copies), else fp32 (the dense weights, which the final agreement
+    must copy exactly). An averaging group serves its buffers between rounds (one host copy per group)."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        name: str,
+        like: Sequence[torch.Tensor] | None,
+        *,
+        matchmaking_time: float = 5.0,
+        allreduce_timeout: float = 60.0,
+        request_timeout: float = 5.0,
+        compression: CompressionBase | None = None,
+        serve_fp16: bool = True,
+    ) -> None:
+        self.name, self.serves_only = name, like is None
+        with hivemind_child_signals():
+            self.averager = _ServingAverager(
+                # always host tensors: hivemind's compression calls .numpy() and fails on CUDA tensors
+                [torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in like or [torch.zeros(1)]],
+                dht,
+                prefix=name,
+                start=True,
+                min_group_size=2,
+                min_matchmaking_time=matchmaking_time,
+                request_timeout=request_timeout,
+                allreduce_timeout=allreduce_timeout,
+                next_chunk_timeout=request_timeout,
+                sender_timeout=request_timeout,
+                reducer_timeout=2 * request_timeout,
+                compression=compression or NoCompression(),
+                state_compression=Float16Compression() if serve_fp16 else NoCompression(),
+                allow_state_sharing=True,
+                declare_state_period=10.0,
+                shutdown_timeout=SHUTDOWN_S,
+            )
+        self.averager.serve_lock, self.averager.served = threading.Lock(), ({}, None)
+
+    def _set_served(self, meta: dict[str, Any], tensors: list[torch.Tensor] | None) -> None:
+        with self.averager.serve_lock:
+            self.averager.served = (dict(meta), tensors)
+
+    def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
+        """A serving group keeps ``tensors`` as given (not copied: never edit them afterwards); an averaging
+        group copies them into its buffers (its packed layout)."""
+        if self.serves_only:
+            self._set_served(meta, list(tensors))
+            return
+        self._set_served({}, None)
+        self._fill(tensors)
+        self._set_served(meta, None)
+
+    def _fill(self, tensors: Iterable[torch.Tensor]) -> None:
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=BUFFER_LOCK_S):  # a stuck all-reduce is abandoned, not awaited
+            raise TimeoutError(f"{self.name}: the previous all-reduce still holds the buffers")
+        try:
+            for dst, src in zip(self.averager._averaged_tensors, tensors, strict=True):
+                dst.copy_(src)
+        finally:
+            lock.release()
+
+    def start(
+        self,
+        tensors: Iterable[torch.Tensor],
+        info: dict[str, Any],
+        matchmaking_s: float,
+        scheduled: float | None = None,
+    ) -> StepControl:
+        gather = MSGPackSerializer.dumps(info)
+        if len(gather) > MAX_INFO_BYTES:
+            raise ValueError("round info too large")
+        self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
+        self._fill(tensors)
+        return self.averager.step(
+            gather=gather,
+            weight=1.0,
+            timeout=matchmaking_s,
+            scheduled_time=scheduled,  # None: now + the matchmaking time
+            wait=False,
+            allow_retries=False,
+        )
+
+    def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
+        try:
+            gathered = handle.result(timeout=timeout)
+        except Exception as e:  # TimeoutError, cancelled, allreduce failure
+            handle.cancel()
+            return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
+        if not gathered:
+            return GroupOutcome(False, "no group formed")
+        members = {}
+        for peer, blob in gathered.items():
+            try:
+                ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
+                info = MSGPackSerializer.loads(blob) if ok else None
+            except Exception:
+                info = None
+            if not isinstance(info, dict):
+                return GroupOutcome(False, f"malformed round info from {peer}")
+            members[peer.to_base58()] = info
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=BUFFER_LOCK_S):
+            return GroupOutcome(False, "averaged tensors stayed locked")
+        try:
+            tensors = [t.clone() for t in self.averager._averaged_tensors]
+        finally:
+            lock.release()
+        return GroupOutcome(True, tensors=tensors, members=members)
+
+    def close(self) -> None:
+        try:
+            self.averager.shutdown()
+        except Exception:
+            pass
+
+
+def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> None:
+    """Close groups side by side, so that leaving takes one grace period, not one per group."""
+    threads = [threading.Thread(target=g.close, name="swarm-group-close", daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+async def _download(dht, node, peer: str, prefix: str, timeout: float):
+    """Runs inside the DHT process (``dht.run_coroutine``): stream one group's state from ``peer``.
+    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled."""
+    import asyncio
+
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.streaming import combine_from_streaming
+
+    async def fetch():
+        stub = _ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        meta, parts, tensors = None, [], []
+        async for msg in stream:
+            if msg.metadata:
+                meta = MSGPackSerializer.loads(msg.metadata)
+            if msg.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(msg.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return meta, tensors
+
+    return await asyncio.wait_for(fetch(), timeout)
+
+
+def download_state(dht: hivemind.DHT, peer: str, prefix: str, timeout: float = 30.0):
+    """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout."""
+    try:
+        fn = functools.partial(_download, peer=peer, prefix=prefix, timeout=timeout)  # picklable, importable
+        return dht.run_coroutine(fn, return_future=True).result(timeout=timeout + 5)
+    except Exception:
+        return None

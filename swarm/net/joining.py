@@ -1,0 +1,122 @@
+"""Joining a run: claim experts, catch up with the swarm's weights, and build the peer's sync hook.
+
+    store, transport = HivemindStore(dht), HivemindTransport(dht, timing)
+    local, peers = claim_experts(store, me, cfg)        # None when the config names the local experts
+    trainer.setup(local_experts=local)
+    catch_up(transport, cfg.run_id, trainer.model, peers, timeout=30)
+    trainer.sync = open_swarm_sync(cfg, dht, trainer.model, last_round_at)
+
+Claims: a joiner announces itself, gives simultaneous joiners a heartbeat period to appear, then all of
+them settle who takes what the same way (``swarm.sync.settle_joiners``: the least covered experts first).
+Catch-up: a joiner of a run that has trained fetches the dense weights from a peer and each expert from
+one of its holders, checked for shape and finiteness; what cannot be fetched keeps the initialisation.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import hivemind
+import torch
+
+from swarm.config import RunConfig
+from swarm.model import MoETransformer
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
+from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_items, unpack
+from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
+from swarm.net.transport import GroupTransport, Store
+from swarm.sync import settle_joiners
+
+ATTEMPTS = 3  # a peer in the middle of a round serves nothing for a moment: ask again
+
+
+def claim_experts(store: Store, me: str, cfg: RunConfig) -> tuple[list[int] | None, dict[str, Heartbeat]]:
+    """(our experts, or None when the config fixes them; the other live peers' heartbeats)."""
+    hb_s = cfg.sync.heartbeat_s
+    joining = Heartbeat(experts=[], state="joining", period_s=hb_s)
+    publish_heartbeat(store, cfg.run_id, me, joining, ttl_s=3 * hb_s)
+    time.sleep(cfg.sync.join_settle_s)
+    beats = read_heartbeats(store, cfg.run_id)
+    peers = {p: hb for p, (hb, _) in beats.items() if p != me}
+    if cfg.experts.local is not None:
+        return None, peers
+    per_peer = cfg.experts.per_peer or cfg.model.n_experts
+    training = {p: v for p, v in beats.items() if v[0].state != "joining"}
+    joiners = sorted({p for p, v in beats.items() if v[0].state == "joining"} | {me})
+    claims = settle_joiners(
+        expert_holders(training, cfg.model.n_experts), joiners, cfg.model.n_experts, per_peer
+    )
+    return claims[me], peers
+
+
+def _valid(tensors: list[torch.Tensor] | None, like: list[torch.Tensor]) -> bool:
+    return (
+        tensors is not None
+        and len(tensors) == len(like)
+        and all(
+            tuple(t.shape) == tuple(m.shape) and t.is_floating_point() and bool(torch.isfinite(t).all())
+            for t, m in zip(tensors, like, strict=True)
+        )
+    )
+
+
+def catch_up(
+    transport: GroupTransport, run_id: str, model: MoETransformer, peers: dict[str, Heartbeat], timeout: float
+) -> dict[str, int]:
+    """Overwrite ``model`` with the swarm's current weights where a peer can serve them. Returns counts of
+    what was fetched; what could not be fetched keeps the shared initialisation."""
+    by_step = sorted(peers, key=lambda p: -peers[p].step)
+    fetched = {"dense": 0, "experts": 0}
+    like = dense_tensors(model)
+    spec = GroupSpec(f"{run_id}_dense", (DENSE,))
+    for _ in range(ATTEMPTS):
+        for peer in by_step[:3]:
+            served = transport.fetch(peer, spec.name, timeout)
+            if served is None or served.meta.get("items") != [DENSE] or len(served.tensors) != len(like) + 1:
+                continue
+            got = unpack(spec, [t.float() for t in served.tensors], {DENSE: len(like)})[0][DENSE]
+            if _valid(got, like):
+                overwrite(like, got)
+                fetched["dense"] = 1
+                break
+        if fetched["dense"] or not by_step:
+            break
+        time.sleep(1.0)
+    sizes = {expert_item(e): len(expert_tensors(model, e)) for e in range(model.cfg.n_experts)}
+    missing = set(range(model.cfg.n_experts))
+    for peer in by_step:  # each holder's served experts in one request
+        wanted = missing & set(peers[peer].experts)
+        if not wanted:
+            continue
+        served = transport.fetch(peer, f"{run_id}_experts", timeout)
+        items = served_items(served.meta, served.tensors, sizes) if served is not None else {}
+        for e in sorted(wanted):
+            got, like = items.get(expert_item(e)), expert_tensors(model, e)
+            if _valid(got, like):
+                overwrite(like, [t.float() for t in got])
+                missing.discard(e)
+                fetched["experts"] += 1
+    print(
+        f"caught up with the swarm: dense {'fetched' if fetched['dense'] else 'not available'}, "
+        f"{fetched['experts']}/{model.cfg.n_experts} experts fetched",
+        file=sys.stderr,
+    )
+    return fetched
+
+
+def open_swarm_sync(cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, last_round_at: float | None):
+    """The hook of a peer on hivemind: its store, transport, heartbeat (``Membership``) and ``SwarmSync``."""
+    from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
+    from swarm.net.membership import Membership
+    from swarm.net.swarm_sync import SwarmSync
+    from swarm.net.timing import Timing
+    from swarm.net.traffic import TrafficMeter
+
+    timing = Timing.from_config(cfg.sync)
+    store, transport = HivemindStore(dht), HivemindTransport(dht, timing)
+    members = Membership(
+        store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
+        cfg.sync.orphan_grace_s,
+    )  # fmt: skip
+    return SwarmSync(cfg, store, transport, model, members, last_round_at, TrafficMeter(dht.pid))

@@ -1,0 +1,87 @@
+"""The last round: every peer of a run that stops takes one synchronous round, then settles its replicas.
+
+    records = take_last_round(sync, model, report)    # SwarmSync.last_round calls this
+
+The peer waits for (or abandons) the round in flight, says it is finishing (a pending orphan claim is void),
+and starts a round marked last: peers given the same stop time meet at a shared moment (``last_round_at``),
+and an ordinary round never mixes with a last one. Then the final agreement (``final_agreement``) makes
+every replica of the dense weights and of each expert the same, even where that round failed on one holder.
+The peer keeps serving until the others are done too (they may still download from it), within a bound.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from swarm.model import MoETransformer
+from swarm.net.expert_tensors import dense_tensors, expert_tensors
+from swarm.net.final_agreement import FinalItem, agree_on_final_copies, finishing_holders
+from swarm.net.group_layout import DENSE, GroupSpec, expert_item, item_expert, pack, served_items, unpack
+from swarm.train.round_record import RoundRecord
+from swarm.train.sync_hook import StepReport
+
+
+def take_last_round(sync, model: MoETransformer, report: StepReport) -> list[RoundRecord]:
+    """See the module docstring. ``sync``: the peer's ``SwarmSync``."""
+    sync.wait_for_round()
+    records = sync.apply_finished(model)
+    sync._leaving = True
+    sync.members.set_state("finishing")
+    scheduled = None
+    if sync.last_round_at is not None:  # every peer of the run meets at the same moment for the last round
+        scheduled = max(sync.last_round_at, time.time() + sync.timing.matchmaking_s)
+    sync.start_round(model, report.step, scheduled)
+    sync.wait_for_round()
+    records += sync.apply_finished(model)
+    adopted, unsettled = settle_replicas(sync, model)
+    if records:
+        records[-1].final_adopted, records[-1].final_unsettled = adopted, unsettled
+        records[-1].applied = records[-1].applied or bool(adopted)
+    # keep serving our experts until the others have finished their last round too (they may still be
+    # downloading from us, or settling their replicas), at most a round timeout
+    sync.members.set_state("done")
+    sync.members.wait_until_others_done(sync.timing.round_s)
+    return records
+
+
+def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
+    """The final agreement over the dense weights and our experts, among the other finishing holders."""
+    ctx, transport = sync.ctx, sync.transport
+    sync.members.refresh()
+    peers = sync.members.view.peers
+    live = {DENSE: dense_tensors(model)} | {
+        expert_item(e): expert_tensors(model, e) for e in model.local_experts
+    }
+    items = {name: FinalItem(ts, finishing_holders(peers, ctx.me, name)) for name, ts in live.items()}
+    dense_spec = GroupSpec(f"{ctx.run_id}_dense", (DENSE,))
+    sizes = {name: len(ts) for name, ts in live.items()}
+    step, index = sync.members.view.step_of(ctx.me), sync._round_index
+
+    def fetch(peer: str, name: str) -> list[torch.Tensor] | None:
+        source = dense_spec.name if name == DENSE else ctx.server.group.name
+        served = transport.fetch(peer, source, timeout=ctx.timing.final_agreement_s)
+        if served is None:
+            return None
+        if name == DENSE:  # an averaging group serves its packed layout, with weight 1
+            if served.meta.get("items") != [DENSE] or len(served.tensors) != sizes[DENSE] + 1:
+                return None
+            return unpack(dense_spec, [t.float() for t in served.tensors], {DENSE: sizes[DENSE]})[0][DENSE]
+        return served_items(served.meta, served.tensors, sizes).get(name)
+
+    def serve(name: str, tensors: list[torch.Tensor]) -> None:
+        if name == DENSE:
+            meta = {"items": [DENSE], "step": step, "round": index, "last": True}
+            group = ctx.groups.get(dense_spec, {DENSE: tensors})
+            try:
+                group.serve(list(pack(dense_spec, {DENSE: tensors}, {DENSE: 1.0})), meta)
+            except TimeoutError:  # an all-reduce that overran still holds the buffers: not served
+                pass
+        elif item_expert(name) in model.local_experts:
+            ctx.server.update({name: tensors}, step, True)
+
+    return agree_on_final_copies(
+        ctx.store, ctx.run_id, ctx.me, items, fetch, serve, ctx.timing.final_agreement_s,
+        sync.sc.max_rel_distance, ctx.timing.final_window_s,
+    )  # fmt: skip

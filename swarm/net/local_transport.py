@@ -1,0 +1,220 @@
+"""An in-memory ``Store`` and ``GroupTransport`` for peers in one process, with a fault plan.
+
+    net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)])
+    store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
+
+Groups form like hivemind's: members that start a round under the same name within the matchmaking window
+(from the first start, or at the scheduled time) form one group; at least two make a round. The average is
+the plain mean of what members sent. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
+
+- ``drop``: the peer leaves mid-all-reduce: it fails, and the others keep their own values in the share
+  that the peer was reducing (the partial result hivemind reports as success);
+- ``partial``: only the peer's result keeps its own values in one share (its copy differs from the rest);
+- ``nan``: the peer sends NaN;
+- ``scale``: the peer sends its tensors times ``factor`` (a weight it did not claim);
+- ``delay``: the peer's outcome comes ``seconds`` late (past its timeout, it is abandoned);
+- ``silent``: the peer publishes no round digest (in any round: give no ``round``);
+- ``dead``: nobody can download from the peer.
+
+Following torchft's fault-injecting process group: tests of the protocol rules run in seconds, with no
+processes, sockets or sleeps on the wall clock beyond the windows they configure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.net.transport import GroupOutcome, Served
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # drop | partial | nan | scale | delay | silent | dead
+    peer: str
+    round: int | None = None  # the round index in the members' info; None: every round
+    seconds: float = 0.0  # delay
+    factor: float = 1.0  # scale
+
+
+@dataclass
+class _Formation:
+    closes_at: float
+    sent: dict[str, tuple[list[torch.Tensor], dict[str, Any]]] = field(default_factory=dict)
+    results: dict[str, GroupOutcome] | None = None
+
+
+class LocalNetwork:
+    """The shared medium of in-process peers: one record store, group formations and served copies."""
+
+    def __init__(self, matchmaking_s: float = 0.3, faults: Sequence[Fault] = ()) -> None:
+        self.matchmaking_s, self.faults = matchmaking_s, list(faults)
+        self.lock = threading.Lock()
+        self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
+        self.forming: dict[str, _Formation] = {}
+        self.served: dict[tuple[str, str], Served] = {}
+        self.closed_groups: list[str] = []
+
+    def store(self, me: str) -> LocalStore:
+        return LocalStore(self, me)
+
+    def transport(self, me: str) -> LocalTransport:
+        return LocalTransport(self, me)
+
+    def fault(self, kind: str, peer: str, info: dict[str, Any] | None = None) -> Fault | None:
+        index = info.get("round") if isinstance(info, dict) else None
+        for f in self.faults:
+            if f.kind == kind and f.peer == peer and (f.round is None or f.round == index):
+                return f
+        return None
+
+    # -- groups ---------------------------------------------------------------------------------------------
+    def join(self, name: str, me: str, tensors: list[torch.Tensor], info: dict, scheduled: float | None):
+        with self.lock:
+            form = self.forming.get(name)
+            if form is None or form.results is not None or time.time() >= form.closes_at:
+                closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
+                form = self.forming[name] = _Formation(closes)
+            form.sent[me] = (tensors, info)
+            return form
+
+    def close(self, form: _Formation) -> None:
+        with self.lock:
+            if form.results is not None:
+                return
+            members = sorted(form.sent)
+            if len(members) < 2:
+                form.results = {m: GroupOutcome(False, "no group formed") for m in members}
+                return
+            sent = {m: self._sent(m, *form.sent[m]) for m in members}
+            mean = [torch.stack(ts).mean(0) for ts in zip(*sent.values(), strict=True)]
+            infos = {m: form.sent[m][1] for m in members}
+            form.results = {}
+            dropped = [m for m in members if self.fault("drop", m, infos[m])]
+            for m in members:
+                result = [t.clone() for t in mean]
+                if m in dropped:
+                    form.results[m] = GroupOutcome(False, "left during the all-reduce")
+                    continue
+                for j, other in enumerate(members):  # shares reduced by a member that left stay ours
+                    if other in dropped or (other == m and self.fault("partial", m, infos[m])):
+                        _keep_share(result, sent[m], j, len(members))
+                form.results[m] = GroupOutcome(True, tensors=result, members=infos)
+
+    def _sent(self, me: str, tensors: list[torch.Tensor], info: dict) -> list[torch.Tensor]:
+        if self.fault("nan", me, info):
+            return [torch.full_like(t, float("nan")) for t in tensors]
+        scale = self.fault("scale", me, info)
+        return [t * scale.factor for t in tensors] if scale else tensors
+
+
+def _keep_share(result: list[torch.Tensor], own: list[torch.Tensor], share: int, n: int) -> None:
+    """In place: the ``share``-th of ``n`` slices of every tensor takes our own (unaveraged) values."""
+    for r, o in zip(result, own, strict=True):
+        flat_r, flat_o = r.view(-1), o.reshape(-1)
+        size = -(-flat_r.numel() // n)
+        flat_r[share * size : (share + 1) * size] = flat_o[share * size : (share + 1) * size]
+
+
+class LocalStore:
+    """See the module docstring."""
+
+    def __init__(self, net: LocalNetwork, me: str) -> None:
+        self.net, self.me = net, me
+
+    def now(self) -> float:
+        return time.time()
+
+    def put(
+        self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
+    ) -> bool:
+        if "_digest_" in key and self.net.fault("silent", self.me, {}):
+            return True  # claims to have published, like a member that withholds its digest
+        with self.net.lock:
+            entries = self.net.records.setdefault(key, {})
+            old = entries.get(subkey)
+            if old is None or old[1] <= expires_at:  # like hivemind: a store that expires sooner is ignored
+                entries[subkey] = (value, expires_at)
+        return True
+
+    def _live(self, key: str) -> dict[str | None, tuple[Any, float]]:
+        now = time.time()
+        with self.net.lock:
+            return {k: v for k, v in self.net.records.get(key, {}).items() if v[1] > now}
+
+    def get(self, key: str, timeout: float = 10.0) -> Any | None:
+        found = self._live(key).get(None)
+        return None if found is None else found[0]
+
+    def get_subkeys(self, key: str, timeout: float = 10.0) -> dict[str, tuple[Any, float]] | None:
+        return {k: v for k, v in self._live(key).items() if isinstance(k, str)}
+
+
+class LocalGroup:
+    """A ``Group`` of one peer on a ``LocalNetwork``."""
+
+    def __init__(self, net: LocalNetwork, me: str, name: str, serves_only: bool) -> None:
+        self.net, self.me, self.name, self.serves_only = net, me, name, serves_only
+        self.closed = False
+
+    def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
+        with self.net.lock:
+            self.net.served[(self.me, self.name)] = Served(dict(meta), [t.clone() for t in tensors])
+
+    def start(
+        self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None
+    ):
+        with self.net.lock:  # like hivemind's buffers: nothing served while a round runs
+            self.net.served.pop((self.me, self.name), None)
+        return self.net.join(self.name, self.me, [t.detach().clone() for t in tensors], info, scheduled)
+
+    def outcome(self, handle: _Formation, timeout: float) -> GroupOutcome:
+        deadline = time.monotonic() + timeout
+        delay = self.net.fault("delay", self.me, handle.sent.get(self.me, (None, None))[1])
+        wait = max(0.0, handle.closes_at - time.time()) + (delay.seconds if delay else 0.0)
+        if wait > timeout:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
+        time.sleep(wait)
+        self.net.close(handle)
+        return handle.results[self.me]
+
+    def close(self) -> None:
+        self.closed = True
+        with self.net.lock:
+            self.net.closed_groups.append(self.name)
+
+
+class LocalTransport:
+    """See the module docstring."""
+
+    def __init__(self, net: LocalNetwork, me: str) -> None:
+        self.net, self.me = net, me
+        self.opened: list[str] = []
+
+    def open(self, name: str, like: Sequence[torch.Tensor]) -> LocalGroup:
+        self.opened.append(name)
+        return LocalGroup(self.net, self.me, name, serves_only=False)
+
+    def open_server(self, name: str) -> LocalGroup:
+        self.opened.append(name)
+        return LocalGroup(self.net, self.me, name, serves_only=True)
+
+    def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
+        if self.net.fault("dead", peer):
+            return None
+        with self.net.lock:
+            served = self.net.served.get((peer, name))
+        if served is None:
+            return Served({}, [])  # it answers, but serves nothing (yet)
+        half = not name.endswith("_dense")  # like hivemind's transport: expert copies travel as fp16
+        return Served(dict(served.meta), [t.half() if half else t.clone() for t in served.tensors])
+
+    def close_groups(self, groups: Sequence[LocalGroup]) -> None:
+        for g in groups:
+            g.close()

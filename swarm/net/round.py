@@ -1,0 +1,249 @@
+"""One synchronisation round, as a function of what it needs: ``run_round(plan, ctx, view) -> RoundResult``.
+
+    plan = RoundPlan(index=3, step=300, dense=snapshot, experts={0: [...]}, frozen={5: [...]},
+                     weights={"dense": 1.0, "expert0": 0.9}, groups=[(spec, group), ...], sole=[0])
+    result = run_round(plan, ctx, members.view)    # never takes longer than timing.round_s (+ a last
+    result.record.rejected                         # round's wait for its shared start); failures listed
+
+The dense weights are averaged across the peers that show up and each group of local experts with the
+same holders among those holders (``group_layout``), every item weighted by its tokens. Every outcome is
+verified before it is used: each member's round info is well formed and of the same kind (last or
+ordinary), the weights that came back are the mean of those the members claimed, all members ended with
+the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Then non-local experts
+are downloaded from their holders and the merge warm-up runs. Nothing here touches the model: the
+training thread applies the result (theta <- theta + alpha * (a - s)).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.config import SyncConfig
+from swarm.net.expert_download import ExpertDownloads, ExpertServer
+from swarm.net.expert_tensors import host_float, nbytes, per_layer
+from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, unpack
+from swarm.net.membership import MembershipView
+from swarm.net.round_consensus import confirm_round, digest, group_key
+from swarm.net.timing import Timing
+from swarm.net.transport import Group, GroupOutcome, Store
+from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
+from swarm.train.round_record import RoundRecord
+
+# weights are tokens in units of one sync interval's batches: a peer cannot plausibly report more than this
+MAX_WEIGHT = 100.0
+WEIGHT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What each member of a group tells the others, gathered by the group."""
+
+    step: int
+    round: int
+    last: bool
+    weights: tuple[float, ...]  # per item of the group, in order
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"step": self.step, "round": self.round, "last": self.last, "weights": list(self.weights)}
+
+    @classmethod
+    def from_msg(cls, value: Any, n_items: int) -> RoundInfo | None:
+        """Parse another member's info; None unless every field is well formed and plausible."""
+        if not isinstance(value, dict):
+            return None
+        step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
+            return None
+        if not isinstance(last, bool) or not isinstance(weights, list) or len(weights) != n_items:
+            return None
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
+                return None  # also NaN and inf
+        return cls(step, index, last, tuple(float(w) for w in weights))
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    index: int
+    step: int
+    dense: list[torch.Tensor]  # host fp32 snapshot
+    experts: Mapping[int, list[torch.Tensor]]  # local experts' snapshots
+    frozen: Mapping[int, list[torch.Tensor]]  # non-local experts, read in place (nothing writes them now)
+    weights: Mapping[str, float]  # item -> tokens since the last round, in sync intervals' worth
+    groups: Sequence[tuple[GroupSpec, Group]]  # the layout's groups, opened by the caller (main thread)
+    sole: Sequence[int]  # local experts nobody else holds: only served
+    scheduled: float | None = None  # the last round's shared start (wall time)
+    last: bool = False
+
+
+@dataclass
+class RoundResult:
+    record: RoundRecord
+    dense: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (snapshot, average)
+    experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    downloads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What stays the same from round to round."""
+
+    run_id: str
+    me: str
+    store: Store
+    timing: Timing
+    sync: SyncConfig
+    n_experts: int
+    groups: OpenGroups  # opened on the main thread: hivemind sets signal handlers when it starts one
+    server: ExpertServer
+    downloads: ExpertDownloads
+
+
+def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> RoundResult:
+    """See the module docstring."""
+    t0, timing = time.monotonic(), ctx.timing
+    if plan.scheduled is not None:
+        # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
+        # whichever ordinary round another peer is in: start looking only when the shared window opens
+        time.sleep(max(0.0, plan.scheduled - timing.matchmaking_s - time.time()))
+    wait = 0.0 if plan.scheduled is None else max(0.0, plan.scheduled - time.time())
+    deadline = time.monotonic() + wait + timing.round_s
+    rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last)
+    result = RoundResult(rec)
+    local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
+    ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, plan.last)
+    rec.expert_groups.update({str(e): 1 for e in plan.sole})
+    meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
+
+    started = []
+    for spec, group in plan.groups:
+        weights = {item: plan.weights[item] for item in spec.items}
+        info = RoundInfo(plan.step, plan.index, plan.last, tuple(weights[i] for i in spec.items))
+        try:
+            mm = wait + timing.ordinary_matchmaking_s
+            handle = group.start(pack(spec, local, weights), info.to_msg(), mm, plan.scheduled)
+        except Exception as e:  # a group that cannot start this round: its items keep their snapshots
+            rec.rejected.append(f"{_label(spec)}: {type(e).__name__}: {e}"[:200])
+            started.append((spec, None, None))
+            continue
+        started.append((spec, group, handle))
+
+    sent = 0
+    averaged: dict[str, list[torch.Tensor]] = {}
+    for spec, group, handle in started:
+        size = 1
+        if group is not None:
+            outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
+            got, size, why = _verified(spec, outcome, plan, ctx, local, deadline)
+            if got is None:
+                rec.rejected.append(f"{_label(spec)}: {why}")
+            else:
+                averaged |= got
+                # butterfly all-reduce: our n-1 foreign parts out, our averaged part back from the n-1
+                sent += int(2 * nbytes(t for i in spec.items for t in local[i]) * (size - 1) / size)
+                rec.members[_label(spec)] = sorted(p[-6:] for p in outcome.members)
+        copies = {i: averaged.get(i, local[i]) for i in spec.items}  # a failed item serves its snapshot
+        if spec.items == (DENSE,):
+            rec.dense_group = size
+            if group is not None:
+                _serve_quietly(group, list(pack(spec, copies, {DENSE: 1.0})), meta, rec)
+        else:
+            rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
+            ctx.server.update(copies, plan.step, plan.last)
+    if DENSE in averaged:
+        result.dense = (plan.dense, averaged[DENSE])
+    for e in plan.experts:
+        if expert_item(e) in averaged:
+            result.experts[e] = (plan.experts[e], averaged[expert_item(e)])
+
+    holders = {e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen}
+    got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, plan.last, deadline)
+    result.downloads, rec.download_failures = got, failures
+    rec.rejected += rejected
+    _merge(result, plan, ctx.sync, ctx.n_experts)
+
+    rec.bytes_sent = sent
+    rec.bytes_recv = sent + nbytes(t for ts in got.values() for t in ts)  # downloads as they came (fp16)
+    held = [*plan.dense, *(t for ts in plan.experts.values() for t in ts)]  # snapshots, then results
+    held += [t for pair in [result.dense, *result.experts.values()] if pair for t in pair[1]]
+    rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
+    rec.sync_seconds = round(time.monotonic() - t0, 3)
+    return result
+
+
+def _label(spec: GroupSpec) -> str:
+    return DENSE if spec.items == (DENSE,) else "experts " + ",".join(i[6:] for i in spec.items)
+
+
+def _serve_quietly(group, tensors, meta, rec: RoundRecord) -> None:
+    try:
+        group.serve(tensors, meta)
+    except TimeoutError as e:  # the buffers are still locked by an all-reduce that overran: serve later
+        rec.rejected.append(f"serving: {e}")
+
+
+def _verified(
+    spec: GroupSpec,
+    outcome: GroupOutcome,
+    plan: RoundPlan,
+    ctx: RoundContext,
+    local: Mapping[str, list[torch.Tensor]],
+    deadline: float,
+) -> tuple[dict[str, list[torch.Tensor]] | None, int, str]:
+    """(averaged tensors per item, group size, "") or (None, group size, why not)."""
+    if not outcome.ok:
+        return None, 1, outcome.reason
+    size = len(outcome.members)
+    infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
+    if any(i is None for i in infos):
+        return None, size, "a member sent a malformed or implausible round info"
+    if any(i.last != plan.last for i in infos):
+        # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
+        # would end holding a copy it never had (every member sees the same infos and drops it)
+        return None, size, "a member was in another kind of round (last vs ordinary)"
+    tensors = outcome.tensors
+    if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
+        return None, size, "the averaged tensors do not match the group's items"
+    claimed = [math.fsum(w) / size for w in zip(*(i.weights for i in infos), strict=True)]
+    for w_got, w_claimed in zip(tensors[-1].tolist(), claimed, strict=True):
+        if not abs(w_got - w_claimed) <= WEIGHT_TOLERANCE * w_claimed + 1e-6:
+            return None, size, "the weights averaged differ from those the members reported"
+    key = group_key(ctx.run_id, spec.name, dict(outcome.members))
+    timeout = max(0.5, min(10.0, deadline - time.monotonic()))
+    ok, why = confirm_round(ctx.store, key, ctx.me, list(outcome.members), digest(tensors), timeout)
+    if not ok:
+        return None, size, why
+    averages, _ = unpack(spec, tensors, {i: len(local[i]) for i in spec.items})
+    try:
+        for item in spec.items:
+            check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
+    except RejectedTensor as e:
+        return None, size, str(e)
+    return averages, size, ""
+
+
+def _merge(result: RoundResult, plan: RoundPlan, sc: SyncConfig, n_experts: int) -> None:
+    local = sorted(plan.experts)
+    if not local or not should_merge(plan.step, plan.index, sc.merge_warmup_steps, sc.merge_every):
+        return
+    alpha = merge_alpha_at(plan.step, sc.merge_alpha, sc.merge_warmup_steps)
+    fresh = {e: (result.experts[e][1] if e in result.experts else plan.experts[e]) for e in local}
+    fresh |= {e: result.downloads.get(e, plan.frozen[e]) for e in plan.frozen}
+    layers = [per_layer(fresh[e]) for e in range(n_experts)]
+    merged: dict[int, list[torch.Tensor]] = {e: [] for e in local}
+    for li in range(len(layers[0])):
+        # one layer at a time in host fp32: frozen copies may be bf16 on a GPU
+        gu = torch.stack([host_float(layers[e][li][0]) for e in range(n_experts)])
+        dn = torch.stack([host_float(layers[e][li][1]) for e in range(n_experts)])
+        mgu, mdn = merge_experts(gu, dn, local, alpha, sc.merge_topk)
+        for row, e in enumerate(local):
+            merged[e] += [mgu[row], mdn[row]]
+    for e in local:
+        result.experts[e] = (plan.experts[e], merged[e])
+    result.record.merge_alpha = alpha

@@ -1,0 +1,96 @@
+"""The seam below a round: where records live (``Store``) and how tensor groups are averaged and served
+(``GroupTransport``).
+
+    group = transport.open("demo_dense", like=tensors)    # one averaging group, reused round after round
+    handle = group.start(tensors, info, matchmaking_s=5.0) # returns at once
+    outcome = group.outcome(handle, timeout=60.0)          # GroupOutcome: averaged tensors + members' infos
+    group.serve(tensors, meta)                             # what downloaders of this group get from us
+    served = transport.fetch(peer, "demo_dense", timeout=30.0)
+
+Two implementations: hivemind's DHT and averagers (``swarm.net.hivemind_transport``) and an in-memory one
+with a fault plan for in-process protocol tests (``swarm.net.local_transport``). Members of a group average
+with equal weight: per-item weights travel inside the tensors (``swarm.net.group_layout``), so that what a
+member claims and what it really contributed can be compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """A finished group round: the averaged tensors and each member's gathered info, or why not."""
+
+    ok: bool
+    reason: str = ""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    members: Mapping[str, dict[str, Any]] = field(default_factory=dict)  # peer id -> its round info
+
+
+@dataclass(frozen=True)
+class Served:
+    """A copy a peer serves under a group name: msgpack metadata and tensors (as they travelled)."""
+
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+
+class Store(Protocol):
+    """Records with optional subkeys and an expiration time (on ``now()``'s clock). Writes by anyone."""
+
+    def now(self) -> float: ...
+
+    def put(
+        self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
+    ) -> bool: ...
+
+    def get(self, key: str, timeout: float = 10.0) -> Any | None:
+        """The value of a key stored without subkey, or None (absent, expired or no answer in time)."""
+        ...
+
+    def get_subkeys(self, key: str, timeout: float = 10.0) -> dict[str, tuple[Any, float]] | None:
+        """{subkey: (value, expiration)} of live entries, {} when there are none, None on no answer."""
+        ...
+
+
+class Group(Protocol):
+    name: str
+
+    def start(
+        self,
+        tensors: Iterable[torch.Tensor],
+        info: dict[str, Any],
+        matchmaking_s: float,
+        scheduled: float | None = None,
+    ) -> Any:
+        """Begin a round in the background; ``info`` is gathered by every member."""
+        ...
+
+    def outcome(self, handle: Any, timeout: float) -> GroupOutcome: ...
+
+    def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GroupTransport(Protocol):
+    me: str
+
+    def open(self, name: str, like: Sequence[torch.Tensor]) -> Group: ...
+
+    def open_server(self, name: str) -> Group:
+        """A group that only serves (never averages): its served tensors may change shape."""
+        ...
+
+    def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
+        """What ``peer`` serves under ``name``, or None on any failure or timeout."""
+        ...
+
+    def close_groups(self, groups: Sequence[Group]) -> None:
+        """Close groups side by side, within one bounded grace period."""
+        ...

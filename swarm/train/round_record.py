@@ -1,0 +1,63 @@
+"""``RoundRecord``: what one synchronisation round did, as the trainer logs it to metrics.jsonl.
+
+    rec = RoundRecord(step=100, round=3, applied=True, dense_group=4, applied_groups=["dense"])
+    metrics.write(**rec.to_dict())
+    rec = RoundRecord.from_dict(json.loads(line))     # the demo, the dashboard and the tests read it back
+
+A record with ``reason`` set is a sync point where no round started (e.g. the previous one was still in
+flight). ``last`` marks the last round, which every peer of a run takes together before it stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class RoundRecord:
+    step: int
+    round: int | None = None
+    applied: bool = False
+    reason: str = ""  # why no round started at this sync point; "" when one ran
+    last: bool = False
+    dense_group: int = 0  # members of the dense group (1: averaged alone, i.e. not at all)
+    expert_groups: dict[str, int] = field(default_factory=dict)  # expert -> members of its group
+    members: dict[str, list[str]] = field(default_factory=dict)  # group item -> member id tails
+    rejected: list[str] = field(default_factory=list)  # each failure: which group or expert, and why
+    download_failures: list[str] = field(default_factory=list)
+    downloaded: list[int] = field(default_factory=list)
+    applied_groups: list[str] = field(default_factory=list)  # "dense", "expert3", ...
+    merge_alpha: float | None = None
+    bytes_sent: int = 0  # payload by arithmetic: all-reduce parts and downloads
+    bytes_recv: int = 0
+    wire_bytes: int | None = None  # measured at our p2pd, both directions, overhead included
+    host_bytes: int = 0  # host memory the round held until applied
+    sync_seconds: float = 0.0
+    final_adopted: list[str] = field(default_factory=list)  # after the last round: copies replaced
+    final_unsettled: list[str] = field(default_factory=list)
+
+    @property
+    def started(self) -> bool:
+        return not self.reason
+
+    @property
+    def clean(self) -> bool:
+        """A round that ran, applied something and had no failure."""
+        return self.started and self.applied and not self.rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.reason:  # a skipped sync point: only what says so
+            return {k: out[k] for k in ("step", "round", "applied", "reason") if k in out}
+        return out
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> RoundRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in value.items() if k in known})
+
+    @staticmethod
+    def is_round(value: dict[str, Any]) -> bool:
+        """Whether a metrics line is a round record (a started round or a skipped sync point)."""
+        return "reason" in value or "dense_group" in value

@@ -1,0 +1,106 @@
+"""``SwarmSync`` end to end in one process: real models, the round thread, the last round and the final
+agreement, on the in-memory network (no sockets; seconds)."""
+
+import threading
+
+import pytest
+import torch
+
+from swarm.config import ModelConfig, RunConfig, SyncConfig
+from swarm.model import MoETransformer
+from swarm.net.expert_tensors import dense_tensors, expert_tensors
+from swarm.net.local_transport import Fault, LocalNetwork
+from swarm.net.membership import Membership
+from swarm.net.swarm_sync import SwarmSync
+from swarm.net.timing import Timing
+from swarm.train.sync_hook import StepReport
+
+pytestmark = pytest.mark.timeout(90)
+
+MODEL = ModelConfig(
+    vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_experts=4, expert_hidden=8, max_seq_len=256
+)
+SYNC = SyncConfig(
+    sync_every=5, matchmaking_s=0.3, round_timeout_s=4.0, heartbeat_s=0.2, download_timeout_s=1.0
+)
+
+
+def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int):
+    cfg = RunConfig(run_id="t", model=MODEL, sync=SYNC)
+    model = MoETransformer(MODEL, experts)
+    model.init_weights(seed)
+    timing = Timing.from_config(SYNC)
+    members = Membership(net.store(me), me, "t", timing, experts, MODEL.n_experts, SYNC.orphan_grace_s)
+    return model, SwarmSync(cfg, net.store(me), net.transport(me), model, members)
+
+
+def _train(model: MoETransformer, sync: SwarmSync, steps: int, seed: int, out: dict, me: str) -> None:
+    """Stand-in for training: each step moves the local weights a little, then calls the hook."""
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    with torch.no_grad():
+        for step in range(1, steps + 1):
+            for p in model.parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=gen))
+            tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+            tokens[model.local_experts] = 64
+            report = StepReport(step, 64 * step, 64, tokens, 1.0, last=step == steps)
+            records += sync.after_step(model, report).records
+            threading.Event().wait(0.15)  # a step takes time: the round runs meanwhile
+        records += sync.last_round(
+            model, StepReport(steps, 64 * steps, 0, torch.zeros(4, dtype=torch.long), 0.0)
+        )
+    out[me] = records
+
+
+def _run(peers: dict, steps: int = 30) -> dict:
+    out, threads = {}, []
+    for i, (me, (model, sync)) in enumerate(peers.items()):
+        threads.append(threading.Thread(target=_train, args=(model, sync, steps, i, out, me)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for _, sync in peers.values():
+        sync.close()
+    return out
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_replicas_agree_after_the_last_round(r):
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    ids = ["a", "b", "c", "d"]
+    experts = {me: [e for e in range(4) if (e - i) % (4 // r) == 0] for i, me in enumerate(ids)}
+    peers = {me: _peer(net, me, experts[me], seed=i) for i, me in enumerate(ids)}
+    out = _run(peers)
+    for me in ids:
+        started = [rec for rec in out[me] if rec.started]
+        clean = [rec for rec in started if rec.clean]
+        assert len(clean) >= 2 and started[-1].last, [(rec.step, rec.rejected) for rec in started]
+        assert started[-1].final_unsettled == []
+    models = {me: peers[me][0] for me in ids}
+    ref = dense_tensors(models["a"])
+    for me in ids[1:]:
+        for got, want in zip(dense_tensors(models[me]), ref, strict=True):
+            assert torch.allclose(got, want, atol=1e-6)
+    for e in range(4):
+        holders = [me for me in ids if e in experts[me]]
+        ref = expert_tensors(models[holders[0]], e)
+        for me in ids:
+            tol = 1e-6 if me in holders else 2e-3  # a downloaded copy travelled as fp16
+            for got, want in zip(expert_tensors(models[me], e), ref, strict=True):
+                assert torch.allclose(got, want, atol=tol * max(1.0, want.abs().max().item())), (e, me)
+    # a fixed handful of groups per peer, whatever the number of local experts: dense, one per holder set
+    # of its experts, and the server of its expert copies
+    assert all(len(set(sync.transport.opened)) == 3 for _, sync in peers.values())
+
+
+def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
+    net = LocalNetwork(
+        matchmaking_s=SYNC.matchmaking_s, faults=[Fault("delay", peer="b", round=1, seconds=60.0)]
+    )
+    peers = {me: _peer(net, me, [i, i + 2], seed=i) for i, me in enumerate(["a", "b"])}
+    out = _run(peers, steps=40)
+    b = [rec for rec in out["b"] if rec.started]
+    assert any("Timeout" in why for why in b[0].rejected) and b[0].sync_seconds <= SYNC.round_timeout_s + 1
+    assert sum(rec.clean for rec in b[1:]) >= 2, [(rec.step, rec.rejected) for rec in b]
