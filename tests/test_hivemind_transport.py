@@ -30,7 +30,7 @@ def _member(i, maddrs, out):
         server = transport.open_server("t_experts")
         server.serve(
             [torch.full((4,), float(i), dtype=torch.float16)],
-            {"items": ["expert0"], "steps": [i], "last": [False]},
+            {"items": ["expert0"], "steps": [i], "final": [False]},
         )
         time.sleep(1.0)
         handle = group.start(iter(tensors), {"i": i}, matchmaking_s=20)

@@ -168,3 +168,11 @@ def test_non_local_experts_come_from_a_live_holder_as_fp16():
         assert t.dtype == torch.float16 and torch.allclose(t.float(), want, atol=2e-3 * want.abs().max())
     assert any("no answer" in f for f in results["a"].record.download_failures)
     assert sorted(results["b"].downloads) == [0, 1] and sorted(results["c"].downloads) == [0, 1]
+
+
+def test_a_holder_serving_some_of_our_own_experts_too_still_serves_the_rest():
+    peers = {"a": [0, 1], "b": [1, 2], "c": [3]}
+    swarm = Swarm(peers)
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    assert sorted(results["a"].downloads) == [2, 3]  # b serves 1 and 2; we hold 1
+    assert results["a"].record.download_failures == []

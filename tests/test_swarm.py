@@ -190,9 +190,20 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
         survivors = [start(i, 0.5, "--resume") for i in range(2)]
         back = start(2, 0.4, "--resume")
+        # Ctrl+C of a peer in the middle of training: it checkpoints where it is and leaves within a round
+        # timeout (30 s) + 15 s, whatever its round was doing
+        resumed_at = load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step
+        wait_until(
+            lambda: any(r.step > resumed_at for r in round_records(runs[1])), 120, "a round after resume"
+        )
+        os.killpg(survivors[1].pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        assert survivors[1].wait(timeout=60) == 130
+        assert time.monotonic() - interrupted < 30 + 15
+        last_step = [r for r in read_metrics(runs[1] / "metrics.jsonl") if "step" in r][-1]["step"]
+        assert load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step == last_step
         assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
-        for p in survivors:
-            assert p.wait(timeout=180) == 0
+        assert survivors[0].wait(timeout=180) == 0
         later = [r for r in round_records(runs[2]) if r.step > killed_step]
         assert any("dense" in r.applied_groups and r.dense_group >= 2 for r in later), later
     finally:

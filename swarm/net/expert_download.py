@@ -1,13 +1,13 @@
 """Refreshing non-local experts from their holders during a round.
 
     downloads = ExpertDownloads(transport, server_name, download_s=30.0, max_rel_distance=4.0)
-    got, failures = downloads.fetch({5: [(peer, step), ...], ...}, mine, step=100, last=False, deadline=t)
+    got, rejected, failures = downloads.fetch({5: [(peer, step)], ...}, mine, step=100, final=False, deadline=t)
 
 Each holder serves its local experts under one name (``<run>_experts``): one request brings every expert a
 holder has that we want. The freshest holder of each expert is asked first, a second holder for what the
 first could not give. In an ordinary round a holder still in the same round is asked again until the
-deadline (its result is the copy worth having), and a holder behind us is taken as it is. In a last round
-only the holder's last copy will do (every peer must end with it), up to the deadline. Every copy passes
+deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
+round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
 the tensor checks against ours, and stays fp16 as it travelled.
 """
 
@@ -41,11 +41,11 @@ class ExpertDownloads:
         holders: Mapping[int, Sequence[tuple[str, int]]],
         mine: Mapping[int, list[torch.Tensor]],
         step: int,
-        last: bool,
+        final: bool,
         deadline: float,
     ) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
         """({expert: tensors}, rejected, failures) for the experts in ``holders`` (expert -> (peer, its
-        last reported step) pairs)."""
+        last reported step) pairs). ``final``: only a holder's final copy (settled after its last round)."""
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
@@ -56,11 +56,10 @@ class ExpertDownloads:
                 if e not in got and attempt < len(hs):
                     by_peer.setdefault(hs[attempt], []).append(e)
             for (peer, peer_step), wanted in by_peer.items():
-                served = self._fresh(peer, peer_step, wanted, step, last, deadline, failures)
+                served = self._fresh(peer, peer_step, wanted, step, final, deadline, failures)
                 if served is None:
                     continue
-                sizes = {expert_item(e): len(mine[e]) for e in mine}
-                items = served_items(served.meta, served.tensors, sizes)
+                items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
                 for e in wanted:
                     tensors = items.get(expert_item(e))
                     if tensors is None:
@@ -82,7 +81,7 @@ class ExpertDownloads:
         peer_step: int,
         wanted: list[int],
         step: int,
-        last: bool,
+        final: bool,
         deadline: float,
         failures: list[str],
     ) -> Served | None:
@@ -92,24 +91,24 @@ class ExpertDownloads:
             if left <= RETRY_S:
                 if latest is None:
                     failures.append(f"{label}: no fresh copy before the deadline")
-                return latest  # a last round takes the newest copy it saw, if it never got a last one
+                return latest  # the newest copy it saw, if it never got a final one
             served = self.transport.fetch(peer, self.server_name, timeout=min(left, self.download_s))
             if served is None:
                 failures.append(f"{label}: no answer")
                 return latest
             steps = served_steps(served.meta)
             if not all(expert_item(e) in steps for e in wanted):
-                # not serving these (yet): ask again shortly (for a last round until the deadline: that copy
+                # not serving these (yet): ask again shortly (for a final copy until the deadline: that copy
                 # is the one every peer must end with)
                 empty_answers += 1
-                if empty_answers >= MAX_EMPTY_ANSWERS and not last:
+                if empty_answers >= MAX_EMPTY_ANSWERS and not final:
                     failures.append(f"{label}: not served (meta {str(served.meta)[:60]})")
                     return None
                 time.sleep(RETRY_S)
                 continue
             copies = [steps[expert_item(e)] for e in wanted]
-            if last:  # every peer must end with the holder's last copy, whatever the steps: wait for it
-                if all(is_last for _, is_last in copies):
+            if final:  # every peer must end with the holder's final copy, whatever the steps: wait for it
+                if all(is_final for _, is_final in copies):
                     return served
                 latest = served
             elif min(s for s, _ in copies) >= step or peer_step < step:
@@ -118,24 +117,25 @@ class ExpertDownloads:
 
 
 def served_steps(meta: Mapping) -> dict[str, tuple[int, bool]]:
-    """{item: (step, from a last round)} of what a holder serves; {} if its metadata is malformed."""
-    items, steps, last = meta.get("items"), meta.get("steps"), meta.get("last")
-    ok = isinstance(items, list) and isinstance(steps, list) and isinstance(last, list)
-    if not ok or not len(items) == len(steps) == len(last):
+    """{item: (step, final)} of what a holder serves; {} if its metadata is malformed."""
+    items, steps, final = meta.get("items"), meta.get("steps"), meta.get("final")
+    ok = isinstance(items, list) and isinstance(steps, list) and isinstance(final, list)
+    if not ok or not len(items) == len(steps) == len(final):
         return {}
     return {
         i: (s, bool(f))
-        for i, s, f in zip(items, steps, last, strict=True)
+        for i, s, f in zip(items, steps, final, strict=True)
         if isinstance(i, str) and isinstance(s, int) and not isinstance(s, bool)
     }
 
 
 class ExpertServer:
     """What this peer serves to downloaders under one name: an fp16 copy of each local expert, with the
-    step it is from. Copies are replaced whole (a download never sees half of an update).
+    step it is from and whether it is final (settled after the last round). Copies are replaced whole (a
+    download never sees half of an update).
 
         server = ExpertServer(transport.open_server(f"{run}_experts"))
-        server.update({"expert3": tensors}, step=100, last=False)
+        server.update({"expert3": tensors}, step=100, final=False)
         server.keep(["expert3", "expert5"])    # after an expert switch
     """
 
@@ -144,10 +144,10 @@ class ExpertServer:
         self._copies: dict[str, tuple[list[torch.Tensor], int, bool]] = {}
         self._lock = threading.Lock()  # the round thread updates, the training thread keeps
 
-    def update(self, items: Mapping[str, Sequence[torch.Tensor]], step: int, last: bool) -> None:
+    def update(self, items: Mapping[str, Sequence[torch.Tensor]], step: int, final: bool) -> None:
         fp16 = {i: [t.detach().to("cpu", torch.float16, copy=True) for t in ts] for i, ts in items.items()}
         with self._lock:
-            self._copies.update({i: (ts, step, last) for i, ts in fp16.items()})
+            self._copies.update({i: (ts, step, final) for i, ts in fp16.items()})
             self._publish()
 
     def keep(self, items: Sequence[str]) -> None:
@@ -160,6 +160,6 @@ class ExpertServer:
         meta = {
             "items": names,
             "steps": [self._copies[i][1] for i in names],
-            "last": [self._copies[i][2] for i in names],
+            "final": [self._copies[i][2] for i in names],
         }
         self.group.serve([t for i in names for t in self._copies[i][0]], meta)

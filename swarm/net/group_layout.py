@@ -102,18 +102,15 @@ def unpack(
     return out, weights
 
 
-def served_items(meta: Mapping, tensors: list[torch.Tensor], sizes: Mapping[str, int]) -> dict[str, list]:
-    """Split what a peer serves (``meta["items"]`` names its items in order) into items; {} if malformed."""
+def served_items(meta: Mapping, tensors: list[torch.Tensor], per_item: int) -> dict[str, list]:
+    """Split what a peer serves into its items (``meta["items"]`` names them in order, ``per_item`` tensors
+    each: every expert has the same count); {} if malformed."""
     items = meta.get("items") if isinstance(meta, Mapping) else None
-    if not isinstance(items, list) or not all(isinstance(i, str) and i in sizes for i in items):
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         return {}
-    if sum(sizes[i] for i in items) != len(tensors):
+    if per_item * len(items) != len(tensors) or len(set(items)) != len(items):
         return {}
-    out, k = {}, 0
-    for item in items:
-        out[item] = tensors[k : k + sizes[item]]
-        k += sizes[item]
-    return out
+    return {item: tensors[k * per_item : (k + 1) * per_item] for k, item in enumerate(items)}
 
 
 class OpenGroups:

@@ -83,14 +83,14 @@ def catch_up(
         if fetched["dense"] or not by_step:
             break
         time.sleep(1.0)
-    sizes = {expert_item(e): len(expert_tensors(model, e)) for e in range(model.cfg.n_experts)}
+    per_expert = len(expert_tensors(model, 0))
     missing = set(range(model.cfg.n_experts))
     for peer in by_step:  # each holder's served experts in one request
         wanted = missing & set(peers[peer].experts)
         if not wanted:
             continue
         served = transport.fetch(peer, f"{run_id}_experts", timeout)
-        items = served_items(served.meta, served.tensors, sizes) if served is not None else {}
+        items = served_items(served.meta, served.tensors, per_expert) if served is not None else {}
         for e in sorted(wanted):
             got, like = items.get(expert_item(e)), expert_tensors(model, e)
             if _valid(got, like):

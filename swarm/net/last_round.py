@@ -5,8 +5,9 @@
 The peer waits for (or abandons) the round in flight, says it is finishing (a pending orphan claim is void),
 and starts a round marked last: peers given the same stop time meet at a shared moment (``last_round_at``),
 and an ordinary round never mixes with a last one. Then the final agreement (``final_agreement``) makes
-every replica of the dense weights and of each expert the same, even where that round failed on one holder.
-The peer keeps serving until the others are done too (they may still download from it), within a bound.
+every replica of the dense weights and of each expert the same, even where that round failed on one holder,
+and only then does each holder mark its copies final and every peer fetch the final copies of the experts
+it does not hold. The peer keeps serving until the others are done too, within a bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import torch
 
 from swarm.model import MoETransformer
-from swarm.net.expert_tensors import dense_tensors, expert_tensors
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.final_agreement import FinalItem, agree_on_final_copies, finishing_holders
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item, item_expert, pack, served_items, unpack
 from swarm.train.round_record import RoundRecord
@@ -36,11 +37,14 @@ def take_last_round(sync, model: MoETransformer, report: StepReport) -> list[Rou
     sync.wait_for_round()
     records += sync.apply_finished(model)
     adopted, unsettled = settle_replicas(sync, model)
+    downloaded, failures = fetch_final_copies(sync, model)
     if records:
-        records[-1].final_adopted, records[-1].final_unsettled = adopted, unsettled
-        records[-1].applied = records[-1].applied or bool(adopted)
-    # keep serving our experts until the others have finished their last round too (they may still be
-    # downloading from us, or settling their replicas), at most a round timeout
+        rec = records[-1]
+        rec.final_adopted, rec.final_unsettled = adopted, unsettled
+        rec.final_downloaded, rec.download_failures = downloaded, rec.download_failures + failures
+        rec.applied = rec.applied or bool(adopted) or bool(downloaded)
+    # keep serving our experts until the others are done too (they may still be settling their replicas or
+    # downloading our final copies), at most a round timeout
     sync.members.set_state("done")
     sync.members.wait_until_others_done(sync.timing.round_s)
     return records
@@ -68,7 +72,7 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
             if served.meta.get("items") != [DENSE] or len(served.tensors) != sizes[DENSE] + 1:
                 return None
             return unpack(dense_spec, [t.float() for t in served.tensors], {DENSE: sizes[DENSE]})[0][DENSE]
-        return served_items(served.meta, served.tensors, sizes).get(name)
+        return served_items(served.meta, served.tensors, len(expert_tensors(model, 0))).get(name)
 
     def serve(name: str, tensors: list[torch.Tensor]) -> None:
         if name == DENSE:
@@ -79,9 +83,25 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
             except TimeoutError:  # an all-reduce that overran still holds the buffers: not served
                 pass
         elif item_expert(name) in model.local_experts:
-            ctx.server.update({name: tensors}, step, True)
+            ctx.server.update({name: tensors}, step, final=False)
 
-    return agree_on_final_copies(
+    settled = agree_on_final_copies(
         ctx.store, ctx.run_id, ctx.me, items, fetch, serve, ctx.timing.final_agreement_s,
         sync.sc.max_rel_distance, ctx.timing.final_window_s,
     )  # fmt: skip
+    # what every non-holder must end with: our copies as settled
+    ctx.server.update({e: ts for e, ts in live.items() if e != DENSE}, step, final=True)
+    return settled
+
+
+def fetch_final_copies(sync, model: MoETransformer) -> tuple[list[int], list[str]]:
+    """Non-local experts as their holders settled them (within a round timeout): (fetched, failures)."""
+    ctx = sync.ctx
+    view = sync.members.view
+    frozen = {e: expert_tensors(model, e) for e in range(sync.n_experts) if e not in model.local_experts}
+    holders = {e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in frozen}
+    deadline = time.monotonic() + ctx.timing.round_s
+    got, rejected, failures = ctx.downloads.fetch(holders, frozen, view.step_of(ctx.me), True, deadline)
+    for e, tensors in got.items():
+        overwrite(frozen[e], tensors)
+    return sorted(got), rejected + failures

@@ -10,7 +10,8 @@ same holders among those holders (``group_layout``), every item weighted by its 
 verified before it is used: each member's round info is well formed and of the same kind (last or
 ordinary), the weights that came back are the mean of those the members claimed, all members ended with
 the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Then non-local experts
-are downloaded from their holders and the merge warm-up runs. Nothing here touches the model: the
+are downloaded from their holders (not in a last round: ``last_round`` fetches the settled copies) and
+the merge warm-up runs. Nothing here touches the model: the
 training thread applies the result (theta <- theta + alpha * (a - s)).
 """
 
@@ -117,7 +118,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last)
     result = RoundResult(rec)
     local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
-    ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, plan.last)
+    # served copies are final only once the holders have settled them after the last round (last_round)
+    ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
@@ -155,17 +157,21 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 _serve_quietly(group, list(pack(spec, copies, {DENSE: 1.0})), meta, rec)
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
-            ctx.server.update(copies, plan.step, plan.last)
+            ctx.server.update(copies, plan.step, final=False)
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])
     for e in plan.experts:
         if expert_item(e) in averaged:
             result.experts[e] = (plan.experts[e], averaged[expert_item(e)])
 
-    holders = {e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen}
-    got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, plan.last, deadline)
-    result.downloads, rec.download_failures = got, failures
-    rec.rejected += rejected
+    got: dict[int, list[torch.Tensor]] = {}
+    if not plan.last:  # after a last round, copies are fetched once the holders have settled them
+        holders = {
+            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
+        }
+        got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, False, deadline)
+        result.downloads, rec.download_failures = got, failures
+        rec.rejected += rejected
     _merge(result, plan, ctx.sync, ctx.n_experts)
 
     rec.bytes_sent = sent

@@ -36,6 +36,7 @@ class RoundRecord:
     sync_seconds: float = 0.0
     final_adopted: list[str] = field(default_factory=list)  # after the last round: copies replaced
     final_unsettled: list[str] = field(default_factory=list)
+    final_downloaded: list[int] = field(default_factory=list)  # non-local experts' final copies fetched
 
     @property
     def started(self) -> bool:
