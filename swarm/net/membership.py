@@ -26,6 +26,7 @@ from swarm.net.records import (
     expert_holders,
     publish_heartbeat,
     read_heartbeats,
+    read_records,
     withdraw_heartbeat,
 )
 from swarm.net.timing import Timing
@@ -71,20 +72,37 @@ class Membership:
         self._leaving = False
         self._last_step_time: float | None = None
         self._stop = threading.Event()
+        self._seen: dict[str, tuple[Heartbeat, float]] = {}  # peer -> (its heartbeat, when last read)
+        self._refresh_lock = threading.Lock()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
         self._thread.start()
 
     # -- reading the swarm ---------------------------------------------------------------------------------
     def refresh(self) -> None:
-        beats = read_heartbeats(self.store, self.run_id, timeout=self.timing.heartbeat_s)
-        if self.me not in beats:  # the DHT did not answer (or our record is not out yet): learn nothing
+        with self._refresh_lock:  # the heartbeat thread and the training thread (leaving) both refresh
+            self._refresh()
+
+    def _refresh(self) -> None:
+        records = read_records(self.store, self.run_id, timeout=self.timing.heartbeat_s)
+        if records is None or self.me not in records:  # no answer (or our record is not out yet)
             return
+        # a read can miss a live peer's subkey (the DHT node that answered has an older copy): a peer seen
+        # within one record lifetime stays in the view unless it withdrew, so that two peers' views (and the
+        # averaging groups they derive from them) do not flicker apart
+        now = time.monotonic()
+        for peer, (hb, _) in records.items():
+            self._seen[peer] = (hb, now)
+        self._seen = {
+            p: (hb, t) for p, (hb, t) in self._seen.items()
+            if hb.state != "leaving" and now - t <= self.timing.record_ttl_s
+        }  # fmt: skip
+        beats = {p: (hb, 0.0) for p, (hb, _) in self._seen.items()}
         holders = expert_holders(beats, self.n_experts)
-        now, before = time.monotonic(), self.view.orphaned_since
+        before = self.view.orphaned_since
         orphaned = {e: before.get(e, now) for e, who in holders.items() if not who}
         self.view = MembershipView(
-            MappingProxyType({p: hb for p, (hb, _) in beats.items()}),
+            MappingProxyType({p: hb for p, (hb, _) in self._seen.items()}),
             MappingProxyType({e: frozenset(who) for e, who in holders.items()}),
             MappingProxyType(orphaned),
         )

@@ -108,17 +108,28 @@ def withdraw_heartbeat(
     store.put(f"{run_id}_peers", value, now + ttl_s + 1, subkey=peer_id, timeout=timeout)
 
 
+def read_records(
+    store: Store | hivemind.DHT, run_id: str, timeout: float = 10.0
+) -> dict[str, tuple[Heartbeat, float]] | None:
+    """Every well-formed record, ``leaving`` ones included: {peer id: (heartbeat, expiration time)}, or
+    None when the store does not answer in time."""
+    found = as_store(store).get_subkeys(f"{run_id}_peers", timeout)
+    if found is None:
+        return None
+    out = {}
+    for subkey, (value, expiration) in found.items():
+        hb = Heartbeat.from_value(value)
+        if hb is not None:
+            out[subkey] = (hb, expiration)
+    return out
+
+
 def read_heartbeats(
     store: Store | hivemind.DHT, run_id: str, timeout: float = 10.0
 ) -> dict[str, tuple[Heartbeat, float]]:
     """Live peers: {peer id: (heartbeat, expiration time)}. Empty when the store does not answer in time."""
-    found = as_store(store).get_subkeys(f"{run_id}_peers", timeout)
-    out = {}
-    for subkey, (value, expiration) in (found or {}).items():
-        hb = Heartbeat.from_value(value)
-        if hb is not None and hb.state != "leaving":
-            out[subkey] = (hb, expiration)
-    return out
+    found = read_records(store, run_id, timeout) or {}
+    return {peer: rec for peer, rec in found.items() if rec[0].state != "leaving"}
 
 
 def expert_holders(heartbeats: dict[str, tuple[Heartbeat, float]], n_experts: int) -> dict[int, set[str]]:

@@ -30,7 +30,7 @@ from swarm.net.expert_download import ExpertDownloads, ExpertServer
 from swarm.net.expert_tensors import host_float, nbytes, per_layer
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, unpack
 from swarm.net.membership import MembershipView
-from swarm.net.round_consensus import confirm_round, digest, group_key
+from swarm.net.round_consensus import await_digests, digest, group_key, publish_digest
 from swarm.net.timing import Timing
 from swarm.net.transport import Group, GroupOutcome, Store
 from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
@@ -136,20 +136,30 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             continue
         started.append((spec, group, handle))
 
-    sent = 0
-    averaged: dict[str, list[torch.Tensor]] = {}
+    # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
+    # the wait for the other members' digests: a member busy with another of its groups must not keep this
+    # one waiting (a group's digests would otherwise arrive one group's wait apart)
+    checked = []
     for spec, group, handle in started:
-        size = 1
+        outcome = GroupOutcome(False, "not started")
         if group is not None:
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
-            got, size, why = _verified(spec, outcome, plan, ctx, local, deadline)
-            if got is None:
+        size, why, published = _checked(spec, outcome, plan, ctx, local, deadline)
+        checked.append((spec, group, outcome, size, why, published))
+    sent = 0
+    averaged: dict[str, list[torch.Tensor]] = {}
+    for spec, group, outcome, size, why, published in checked:
+        got = None
+        if published is not None:
+            got, why = _confirmed(spec, outcome, ctx, local, published, deadline)
+        if got is None:
+            if group is not None:
                 rec.rejected.append(f"{_label(spec)}: {why}")
-            else:
-                averaged |= got
-                # butterfly all-reduce: our n-1 foreign parts out, our averaged part back from the n-1
-                sent += int(2 * nbytes(t for i in spec.items for t in local[i]) * (size - 1) / size)
-                rec.members[_label(spec)] = sorted(p[-6:] for p in outcome.members)
+        else:
+            averaged |= got
+            # butterfly all-reduce: our n-1 foreign parts out, our averaged part back from the n-1
+            sent += int(2 * nbytes(t for i in spec.items for t in local[i]) * (size - 1) / size)
+            rec.members[_label(spec)] = sorted(p[-6:] for p in outcome.members)
         copies = {i: averaged.get(i, local[i]) for i in spec.items}  # a failed item serves its snapshot
         if spec.items == (DENSE,):
             rec.dense_group = size
@@ -194,44 +204,63 @@ def _serve_quietly(group, tensors, meta, rec: RoundRecord) -> None:
         rec.rejected.append(f"serving: {e}")
 
 
-def _verified(
+def _checked(
     spec: GroupSpec,
     outcome: GroupOutcome,
     plan: RoundPlan,
     ctx: RoundContext,
     local: Mapping[str, list[torch.Tensor]],
     deadline: float,
-) -> tuple[dict[str, list[torch.Tensor]] | None, int, str]:
-    """(averaged tensors per item, group size, "") or (None, group size, why not)."""
+) -> tuple[int, str, tuple[str, list[float]] | None]:
+    """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
+    is published."""
     if not outcome.ok:
-        return None, 1, outcome.reason
+        return 1, outcome.reason, None
     size = len(outcome.members)
     infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
     if any(i is None for i in infos):
-        return None, size, "a member sent a malformed or implausible round info"
+        return size, "a member sent a malformed or implausible round info", None
     if any(i.last != plan.last for i in infos):
         # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
         # would end holding a copy it never had (every member sees the same infos and drops it)
-        return None, size, "a member was in another kind of round (last vs ordinary)"
+        return size, "a member was in another kind of round (last vs ordinary)", None
     tensors = outcome.tensors
     if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
-        return None, size, "the averaged tensors do not match the group's items"
+        return size, "the averaged tensors do not match the group's items", None
     claimed = [math.fsum(w) / size for w in zip(*(i.weights for i in infos), strict=True)]
     for w_got, w_claimed in zip(tensors[-1].tolist(), claimed, strict=True):
         if not abs(w_got - w_claimed) <= WEIGHT_TOLERANCE * w_claimed + 1e-6:
-            return None, size, "the weights averaged differ from those the members reported"
+            return size, "the weights averaged differ from those the members reported", None
     key = group_key(ctx.run_id, spec.name, dict(outcome.members))
     timeout = max(0.5, min(10.0, deadline - time.monotonic()))
-    ok, why = confirm_round(ctx.store, key, ctx.me, list(outcome.members), digest(tensors), timeout)
+    mine = digest(tensors)
+    if not publish_digest(ctx.store, key, ctx.me, mine, timeout):
+        return size, "could not publish digest", None
+    return size, "", (key, mine)
+
+
+def _confirmed(
+    spec: GroupSpec,
+    outcome: GroupOutcome,
+    ctx: RoundContext,
+    local: Mapping[str, list[torch.Tensor]],
+    published: tuple[str, list[float]],
+    deadline: float,
+) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
+    """(averaged tensors per item, "") once every member's digest agrees and the tensors pass the checks,
+    else (None, why not)."""
+    timeout = max(0.5, min(10.0, deadline - time.monotonic()))
+    key, mine = published
+    ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout)
     if not ok:
-        return None, size, why
-    averages, _ = unpack(spec, tensors, {i: len(local[i]) for i in spec.items})
+        return None, why
+    averages, _ = unpack(spec, outcome.tensors, {i: len(local[i]) for i in spec.items})
     try:
         for item in spec.items:
             check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
     except RejectedTensor as e:
-        return None, size, str(e)
-    return averages, size, ""
+        return None, str(e)
+    return averages, ""
 
 
 def _merge(result: RoundResult, plan: RoundPlan, sc: SyncConfig, n_experts: int) -> None:

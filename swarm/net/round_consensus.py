@@ -62,7 +62,11 @@ def digests_agree(a: Sequence[float], b: Sequence[float]) -> bool:
     return True
 
 
-def confirm_round(
+def publish_digest(store: Store, key: str, me: str, mine: list[float], timeout: float) -> bool:
+    return store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=timeout)
+
+
+def await_digests(
     store: Store,
     key: str,
     me: str,
@@ -71,10 +75,8 @@ def confirm_round(
     timeout: float,
     poll: float = 0.25,
 ) -> tuple[bool, str]:
-    """Publish our digest and wait until every member's digest is in and agrees. Returns (ok, reason)."""
+    """Wait until every other member's digest is in and agrees with ours. Returns (ok, reason)."""
     deadline = time.monotonic() + timeout
-    if not store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=timeout):
-        return False, "could not publish digest"
     others = set(members) - {me}
     while True:
         found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
@@ -89,3 +91,19 @@ def confirm_round(
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)
+
+
+def confirm_round(
+    store: Store,
+    key: str,
+    me: str,
+    members: Sequence[str],
+    mine: list[float],
+    timeout: float,
+    poll: float = 0.25,
+) -> tuple[bool, str]:
+    """Publish our digest and wait until every member's digest is in and agrees. Returns (ok, reason)."""
+    deadline = time.monotonic() + timeout
+    if not publish_digest(store, key, me, mine, timeout):
+        return False, "could not publish digest"
+    return await_digests(store, key, me, members, mine, max(0.1, deadline - time.monotonic()), poll)
