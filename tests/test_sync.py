@@ -14,6 +14,7 @@ from swarm.sync import (
     merge_alpha_at,
     merge_experts,
     orphan_swap,
+    settle_joiners,
     should_merge,
 )
 
@@ -25,8 +26,15 @@ def test_claims_fill_coverage_before_replication():
         for e in mine:
             holders.setdefault(e, set()).add(peer)
     assert sorted(holders) == list(range(16)) and all(len(h) == 1 for h in holders.values())
-    fifth = choose_experts(holders, 16, 4, "e")  # everything covered once: any 4, deterministically
-    assert fifth == choose_experts(holders, 16, 4, "e") and len(set(fifth)) == 4
+    fifth = choose_experts(holders, 16, 4, "e")  # everything covered once: a whole peer's set, so that
+    assert fifth == choose_experts(holders, 16, 4, "e") and len(set(fifth)) == 4  # co-holders stay aligned
+    assert len({frozenset(holders[e]) for e in fifth}) == 1
+
+
+def test_joiners_replicate_in_aligned_sets():
+    claims = settle_joiners({e: set() for e in range(16)}, ["pa", "pb", "pc", "pd"], 16, 8)
+    sets = sorted({tuple(c) for c in claims.values()})
+    assert len(sets) == 2 and sorted(sets[0] + sets[1]) == list(range(16))  # r = 2: two aligned pairs
 
 
 def test_claims_ignore_own_records_and_prefer_uncovered():

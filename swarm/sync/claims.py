@@ -13,14 +13,16 @@ def _tie_break(peer_id: str, expert: int) -> bytes:
 
 
 def choose_experts(holders: Mapping[int, Set[str]], n_experts: int, per_peer: int, peer_id: str) -> list[int]:
-    """The ``per_peer`` experts with the fewest live holders (other than ``peer_id``), ties broken
-    deterministically by a hash of (peer id, expert). Returns them sorted."""
+    """The ``per_peer`` experts with the fewest live holders (other than ``peer_id``); among equally held
+    experts, those with the same holders together (a replicating peer copies another peer's set, so that
+    replicas stay aligned and each set of co-holders averages as one group), then deterministically by a
+    hash of (peer id, expert). Returns them sorted."""
     if not 1 <= per_peer <= n_experts:
         raise ValueError(f"per_peer must be in [1, {n_experts}], got {per_peer}")
 
-    def load(e: int) -> tuple[int, bytes]:
+    def load(e: int) -> tuple[int, list[str], bytes]:
         others = set(holders.get(e, ())) - {peer_id}
-        return len(others), _tie_break(peer_id, e)
+        return len(others), sorted(others), _tie_break(peer_id, e)
 
     return sorted(sorted(range(n_experts), key=load)[:per_peer])
 
