@@ -28,7 +28,7 @@ def take_last_round(sync, model: MoETransformer, report: StepReport) -> list[Rou
     """See the module docstring. ``sync``: the peer's ``SwarmSync``."""
     sync.wait_for_round()
     records = sync.apply_finished(model)
-    sync._leaving = True
+    sync.leaving = True
     sync.members.set_state("finishing")
     scheduled = None
     if sync.last_round_at is not None:  # every peer of the run meets at the same moment for the last round
@@ -61,7 +61,7 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
     items = {name: FinalItem(ts, finishing_holders(peers, ctx.me, name)) for name, ts in live.items()}
     dense_spec = GroupSpec(f"{ctx.run_id}_dense", (DENSE,))
     sizes = {name: len(ts) for name, ts in live.items()}
-    step, index = sync.members.view.step_of(ctx.me), sync._round_index
+    step, index = sync.members.view.step_of(ctx.me), sync.round_index
 
     def fetch(peer: str, name: str) -> list[torch.Tensor] | None:
         source = dense_spec.name if name == DENSE else ctx.server.group.name

@@ -87,15 +87,15 @@ class Membership:
         records = read_records(self.store, self.run_id, timeout=self.timing.heartbeat_s)
         if records is None or self.me not in records:  # no answer (or our record is not out yet)
             return
-        # a read can miss a live peer's subkey (the DHT node that answered has an older copy): a peer seen
-        # within one record lifetime stays in the view unless it withdrew, so that two peers' views (and the
-        # averaging groups they derive from them) do not flicker apart
+        # a read can miss a live peer's subkey (the DHT node that answered has an older copy), and a loaded
+        # peer's heartbeat can come late: a peer seen within two record lifetimes stays in the view unless
+        # it withdrew, so that two peers' views (and the averaging groups they derive) do not flicker apart
         now = time.monotonic()
         for peer, (hb, _) in records.items():
             self._seen[peer] = (hb, now)
         self._seen = {
             p: (hb, t) for p, (hb, t) in self._seen.items()
-            if hb.state != "leaving" and now - t <= self.timing.record_ttl_s
+            if hb.state != "leaving" and now - t <= 2 * self.timing.record_ttl_s
         }  # fmt: skip
         beats = {p: (hb, 0.0) for p, (hb, _) in self._seen.items()}
         holders = expert_holders(beats, self.n_experts)

@@ -249,7 +249,8 @@ def _confirmed(
 ) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
     """(averaged tensors per item, "") once every member's digest agrees and the tensors pass the checks,
     else (None, why not)."""
-    timeout = max(0.5, min(10.0, deadline - time.monotonic()))
+    # until the round's own deadline: a member may come to this group only after waiting on another one
+    timeout = max(0.5, deadline - time.monotonic())
     key, mine = published
     ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout)
     if not ok:

@@ -58,11 +58,10 @@ class SwarmSync:
         )  # fmt: skip
         server.update({expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False)
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
-        self._step_tokens, self._round_index = 0, 0
+        self._step_tokens, self.round_index, self.leaving = 0, 0, False
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
         self._in_flight_until = 0.0  # monotonic time after which a round still running is abandoned
-        self._leaving = False
 
     def round_running(self) -> bool:
         running = self._in_flight is not None and self._in_flight.is_alive()
@@ -78,7 +77,7 @@ class SwarmSync:
         if report.step % self.sc.sync_every == 0 and not report.last:  # a last step gets the last round
             if self.round_running():
                 why = "previous round still in flight"
-                records.append(RoundRecord(step=report.step, round=self._round_index, reason=why))
+                records.append(RoundRecord(step=report.step, round=self.round_index, reason=why))
             elif self._near_last_round():
                 records.append(RoundRecord(step=report.step, reason="too close to the last round"))
             else:
@@ -88,10 +87,9 @@ class SwarmSync:
     def _near_last_round(self) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
         opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
-        if self.last_round_at is None:
-            return False
         t = self.timing
-        return time.time() + t.ordinary_matchmaking_s >= self.last_round_at - t.matchmaking_s
+        at = self.last_round_at
+        return at is not None and time.time() + t.ordinary_matchmaking_s >= at - t.matchmaking_s
 
     def experts_changed(self, model: MoETransformer) -> None:
         """The trainer switched experts: serve the new ones, forget the old ones' momentum, tell the swarm.
@@ -110,7 +108,7 @@ class SwarmSync:
 
     # -- rounds ---------------------------------------------------------------------------------------------
     def start_round(self, model: MoETransformer, step: int, scheduled: float | None = None) -> None:
-        self._round_index += 1
+        self.round_index += 1
         local = list(model.local_experts)
         unit = max(1.0, float(self.sc.sync_every * max(1, self._step_tokens)))  # same on every peer
         weights = {DENSE: max(1.0, self._tokens) / unit}
@@ -121,7 +119,7 @@ class SwarmSync:
         }
         groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
         plan = RoundPlan(
-            self._round_index,
+            self.round_index,
             step,
             snapshot(dense_tensors(model)),
             {e: snapshot(expert_tensors(model, e)) for e in local},
@@ -132,7 +130,7 @@ class SwarmSync:
             groups,
             sole,
             scheduled,
-            last=scheduled is not None or self._leaving,
+            last=scheduled is not None or self.leaving,
         )
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
