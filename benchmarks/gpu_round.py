@@ -161,7 +161,7 @@ def measure_round(cfg, device: torch.device, matchmaking_s: float, timeout_s: fl
         # process fails to read them and takes its whole grace period to stop (seen with 21 tensors)
         time.sleep(1.0)
         for g in groups:
-            g.shutdown()
+            g.close()
         for dht in dhts:
             dht.shutdown()
 

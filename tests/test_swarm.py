@@ -18,9 +18,11 @@ from tests.conftest import (
     SWARM_SETTINGS,
     p2p_sockets,
     peer_cmd,
+    reap,
     remove_stale_p2p_sockets,
     round_records,
     run_peer,
+    start_peer,
     swarm_peer_args,
     wait_until,
 )
@@ -28,37 +30,38 @@ from tests.conftest import (
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootstrap_peer):
-    runs = [tmp_path / f"p{i}" for i in range(3)]
-    stop_at = time.time() + 30  # a shared stop time: the peers meet for their last round together
-    procs = [
-        subprocess.Popen(
-            peer_cmd(
-                *swarm_peer_args(tiny_config, bootstrap_peer, run, "--stop-at", str(stop_at), max_steps=150)
-            ),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for run in runs
-    ]
+def test_peers_cover_all_experts_average_and_a_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
+    runs = [tmp_path / f"p{i}" for i in range(4)]
+    stop_at = str(time.time() + 45)  # a shared stop time: the peers meet for their last round together
+
+    def start(i):
+        args = swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--stop-at", stop_at, max_steps=100000)
+        return start_peer(args, tmp_path / f"p{i}.err")
+
+    procs = [start(i) for i in range(3)]
     try:
-        outs = [p.communicate(timeout=240) for p in procs]
+        wait_until(lambda: all(len(round_records(r)) >= 1 for r in runs[:3]), 90, "a round on every peer")
+        procs.append(start(3))  # joins a swarm that has trained: it must catch up
+        for i, p in enumerate(procs):
+            assert p.wait(timeout=200) == 0, (tmp_path / f"p{i}.err").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+        reap(procs)
+    log = (tmp_path / "p3.err").read_text()
+    assert "caught up with the swarm: dense fetched, 8/8 experts fetched" in log, log[-3000:]
+    # the late peer's first evaluation (before its first step) already has the swarm's quality, and it
+    # averages with the others afterwards
+    fresh = read_metrics(runs[0] / "metrics.jsonl")[0]["val_loss"]  # the shared init, at step 0
+    joined = read_metrics(runs[3] / "metrics.jsonl")[0]["val_loss"]
+    assert joined < fresh - 0.3, (fresh, joined)
+    assert any(r.dense_group >= 2 and "dense" in r.applied_groups for r in round_records(runs[3]))
     ckpts = [load_checkpoint(latest_checkpoint(run / "checkpoints")) for run in runs]
     experts = [set(c.state["local_experts"]) for c in ckpts]
     assert set().union(*experts) == set(range(8)), experts  # coverage fills before replication
-    assert all(len(e) == 4 for e in experts)
+    assert all(len(e) == 4 for e in experts) and len({frozenset(e) for e in experts}) == 2  # aligned pairs
 
     rounds = [round_records(run) for run in runs]
-    full = [r for rs in rounds for r in rs if r.dense_group == 3 and "dense" in r.applied_groups]
-    assert full, rounds  # at least one round averaged the dense weights across all three peers
+    full = [r for rs in rounds for r in rs if r.dense_group >= 3 and "dense" in r.applied_groups]
+    assert full, rounds  # at least one round averaged the dense weights across three peers or more
     for rs in rounds:
         for r in rs:
             assert not any("NaN" in why for why in r.rejected)
@@ -84,14 +87,14 @@ def test_three_peers_cover_all_experts_and_average(tiny_config, tmp_path, bootst
 
     for k in models[0]:
         if ".experts." not in k:
-            assert all(close(models[i][k], models[0][k], "dense") for i in (1, 2)), k
+            assert all(close(models[i][k], models[0][k], "dense") for i in (1, 2, 3)), k
             continue
         for e in range(8):
-            holders = [i for i in range(3) if e in experts[i]]
+            holders = [i for i in range(4) if e in experts[i]]
             ref = models[holders[0]][k][e]
             for i in holders[1:]:
                 assert close(models[i][k][e], ref, f"expert{e}"), (k, e, i)
-            for i in set(range(3)) - set(holders):  # a downloaded copy: fp16 on the wire
+            for i in set(range(4)) - set(holders):  # a downloaded copy: fp16 on the wire
                 assert torch.allclose(models[i][k][e], ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
 
 
@@ -153,7 +156,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             start_new_session=True,  # its own process group: the peer and its hivemind processes
         )
 
-    procs = [start(i, 1.0) for i in range(3)]
+    procs = [start(i, 0.75) for i in range(3)]
     survivors, back = [], None
     try:
         # kill peer 2 while a round is under way: right after it started its second round
@@ -178,7 +181,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         # the survivors kept training: steps went on well past the kill, and rounds kept completing
         for run in runs[:2]:
             steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-            assert steps[-1]["step"] >= 300, steps[-1]
+            assert steps[-1]["step"] >= 200, steps[-1]
             assert after_kill < 2 * 30 + 120  # nobody stalled on the dead peer (round timeout is 30 s)
             ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
             assert all(torch.isfinite(t).all() for t in ckpt.model.values())

@@ -24,37 +24,6 @@ def _steps(run):
     return [r for r in _metrics(run) if "loss" in r]
 
 
-def test_late_joiner_catches_up(tiny_config, tmp_path, bootstrap_peer):
-    runs = [tmp_path / f"p{i}" for i in range(3)]
-    procs = [
-        start_peer(
-            swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--max-minutes", "1.0"),
-            tmp_path / f"p{i}.err",
-        )
-        for i in range(2)
-    ]
-    late = None
-    try:
-        wait_until(lambda: all(len(round_records(r)) >= 2 for r in runs[:2]), 150, "two rounds on both")
-        late = start_peer(
-            swarm_peer_args(tiny_config, bootstrap_peer, runs[2], "--max-minutes", "0.3"), tmp_path / "p2.err"
-        )
-        for p in [*procs, late]:
-            assert p.wait(timeout=200) == 0
-        log = (tmp_path / "p2.err").read_text()
-        assert "caught up with the swarm: dense fetched, 8/8 experts fetched" in log, log[-3000:]
-        # the late peer's first evaluation (before its first step) already has the swarm's quality
-        fresh = _metrics(runs[0])[0]["val_loss"]  # the shared initialisation, measured by peer 0 at step 0
-        joined = _metrics(runs[2])[0]["val_loss"]
-        trained = [r["val_loss"] for r in _metrics(runs[0]) if "val_loss" in r]
-        assert joined < fresh - 0.3, (fresh, joined)
-        assert joined < max(trained[len(trained) // 3 :]) + 0.05, (joined, trained)
-        # and it averages with the others afterwards
-        assert any(r.dense_group >= 2 and "dense" in r.applied_groups for r in round_records(runs[2]))
-    finally:
-        reap([*procs, late])
-
-
 def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp_path, bootstrap_peer):
     """Peer 1 alone holds experts 4-7 and leaves; peers 0 and 2 both hold 0-3, so exactly one of them takes
     an orphan. Peer 2 does six times the work per step: neither waits for the other."""
@@ -71,7 +40,7 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
     procs = [start(1, "--max-minutes", "2")]
     try:
         wait_until(lambda: len(_steps(runs[1])) > 0, 90, "peer 1 training")  # its experts are in the DHT
-        stop_at = str(time.time() + 45)  # peers 0 and 2 meet for a last round at the same time
+        stop_at = str(time.time() + 35)  # peers 0 and 2 meet for a last round at the same time
         procs += [
             start(0, "--stop-at", stop_at),
             start(2, "--stop-at", stop_at, "--set", "train.grad_accum=6"),

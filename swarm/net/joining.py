@@ -28,7 +28,7 @@ from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read
 from swarm.net.transport import GroupTransport, Store
 from swarm.sync import settle_joiners
 
-ATTEMPTS = 3  # a peer in the middle of a round serves nothing for a moment: ask again
+RETRY_S = 1.0
 
 
 def claim_experts(store: Store, me: str, cfg: RunConfig) -> tuple[list[int] | None, dict[str, Heartbeat]]:
@@ -70,9 +70,13 @@ def catch_up(
     fetched = {"dense": 0, "experts": 0}
     like = dense_tensors(model)
     spec = GroupSpec(f"{run_id}_dense", (DENSE,))
-    for _ in range(ATTEMPTS):
+    deadline = time.monotonic() + timeout
+    while by_step and not fetched["dense"] and time.monotonic() < deadline:
+        # a peer serves its dense weights between rounds, not while it averages them: ask the freshest
+        # peers in turn until one answers, within the download bound
         for peer in by_step[:3]:
-            served = transport.fetch(peer, spec.name, timeout)
+            left = max(1.0, deadline - time.monotonic())
+            served = transport.fetch(peer, spec.name, left)
             if served is None or served.meta.get("items") != [DENSE] or len(served.tensors) != len(like) + 1:
                 continue
             got = unpack(spec, [t.float() for t in served.tensors], {DENSE: len(like)})[0][DENSE]
@@ -80,9 +84,8 @@ def catch_up(
                 overwrite(like, got)
                 fetched["dense"] = 1
                 break
-        if fetched["dense"] or not by_step:
-            break
-        time.sleep(1.0)
+        else:
+            time.sleep(RETRY_S)
     per_expert = len(expert_tensors(model, 0))
     missing = set(range(model.cfg.n_experts))
     for peer in by_step:  # each holder's served experts in one request
