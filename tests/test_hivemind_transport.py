@@ -12,7 +12,7 @@ from swarm.net.dht_node import start_dht, visible_maddrs
 from swarm.net.hivemind_group import HivemindGroup
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
-from swarm.net.round_consensus import confirm_round, digest, digests_agree
+from swarm.net.round_consensus import await_digests, digest, digests_agree, publish_digest
 from swarm.net.timing import Timing
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,6 +87,11 @@ def test_digests_tolerate_rounding_but_not_untouched_parts():
     partial = [a[0].clone(), a[1].clone()]
     partial[0][4000:4500] += 0.01  # a slice that kept this peer's own, unaveraged values
     assert not digests_agree(digest(a), digest(partial))
+
+
+def confirm_round(store, key, me, members, mine, timeout):
+    assert publish_digest(store, key, me, mine, timeout)
+    return await_digests(store, key, me, members, mine, timeout)
 
 
 def test_round_confirmed_only_when_every_member_agrees():

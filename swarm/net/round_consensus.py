@@ -91,19 +91,3 @@ def await_digests(
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)
-
-
-def confirm_round(
-    store: Store,
-    key: str,
-    me: str,
-    members: Sequence[str],
-    mine: list[float],
-    timeout: float,
-    poll: float = 0.25,
-) -> tuple[bool, str]:
-    """Publish our digest and wait until every member's digest is in and agrees. Returns (ok, reason)."""
-    deadline = time.monotonic() + timeout
-    if not publish_digest(store, key, me, mine, timeout):
-        return False, "could not publish digest"
-    return await_digests(store, key, me, members, mine, max(0.1, deadline - time.monotonic()), poll)
