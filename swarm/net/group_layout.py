@@ -113,6 +113,14 @@ def served_items(meta: Mapping, tensors: list[torch.Tensor], per_item: int) -> d
     return {item: tensors[k * per_item : (k + 1) * per_item] for k, item in enumerate(items)}
 
 
+def served_dense(spec: GroupSpec, meta: Mapping, tensors: list[torch.Tensor], n: int) -> list | None:
+    """The dense weights (``n`` tensors, fp32) from what a peer's dense group serves (its packed layout,
+    weight 1), or None if it serves something else."""
+    if not isinstance(meta, Mapping) or meta.get("items") != [DENSE] or len(tensors) != n + 1:
+        return None
+    return unpack(spec, [t.float() for t in tensors], {DENSE: n})[0][DENSE]
+
+
 class OpenGroups:
     """The groups this peer has open, by name: opened on first use, reused round after round, and closed
     when a new layout no longer needs them (between rounds)."""
@@ -136,10 +144,6 @@ class OpenGroups:
         with self._lock:
             gone = [name for name in self._open if name not in keep]
             return [self._open.pop(name) for name in gone]
-
-    def names(self) -> set[str]:
-        with self._lock:
-            return set(self._open)
 
     def take_all(self) -> list[Group]:
         with self._lock:

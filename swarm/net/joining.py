@@ -23,7 +23,7 @@ import torch
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
-from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_items, unpack
+from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
 from swarm.net.transport import GroupTransport, Store
 from swarm.sync import settle_joiners
@@ -77,9 +77,7 @@ def catch_up(
         for peer in by_step[:3]:
             left = max(1.0, deadline - time.monotonic())
             served = transport.fetch(peer, spec.name, left)
-            if served is None or served.meta.get("items") != [DENSE] or len(served.tensors) != len(like) + 1:
-                continue
-            got = unpack(spec, [t.float() for t in served.tensors], {DENSE: len(like)})[0][DENSE]
+            got = None if served is None else served_dense(spec, served.meta, served.tensors, len(like))
             if _valid(got, like):
                 overwrite(like, got)
                 fetched["dense"] = 1

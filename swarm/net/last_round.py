@@ -19,7 +19,15 @@ import torch
 from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.final_agreement import FinalItem, agree_on_final_copies, finishing_holders
-from swarm.net.group_layout import DENSE, GroupSpec, expert_item, item_expert, pack, served_items, unpack
+from swarm.net.group_layout import (
+    DENSE,
+    GroupSpec,
+    expert_item,
+    item_expert,
+    pack,
+    served_dense,
+    served_items,
+)
 from swarm.train.round_record import RoundRecord
 from swarm.train.sync_hook import StepReport
 
@@ -60,7 +68,6 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
     }
     items = {name: FinalItem(ts, finishing_holders(peers, ctx.me, name)) for name, ts in live.items()}
     dense_spec = GroupSpec(f"{ctx.run_id}_dense", (DENSE,))
-    sizes = {name: len(ts) for name, ts in live.items()}
     step, index = sync.members.view.step_of(ctx.me), sync.round_index
 
     def fetch(peer: str, name: str) -> list[torch.Tensor] | None:
@@ -68,10 +75,8 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
         served = transport.fetch(peer, source, timeout=ctx.timing.final_agreement_s)
         if served is None:
             return None
-        if name == DENSE:  # an averaging group serves its packed layout, with weight 1
-            if served.meta.get("items") != [DENSE] or len(served.tensors) != sizes[DENSE] + 1:
-                return None
-            return unpack(dense_spec, [t.float() for t in served.tensors], {DENSE: sizes[DENSE]})[0][DENSE]
+        if name == DENSE:
+            return served_dense(dense_spec, served.meta, served.tensors, len(live[DENSE]))
         return served_items(served.meta, served.tensors, len(expert_tensors(model, 0))).get(name)
 
     def serve(name: str, tensors: list[torch.Tensor]) -> None:
