@@ -104,3 +104,14 @@ def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
     b = [rec for rec in out["b"] if rec.started]
     assert any("Timeout" in why for why in b[0].rejected) and b[0].sync_seconds <= SYNC.round_timeout_s + 1
     assert sum(rec.clean for rec in b[1:]) >= 2, [(rec.step, rec.rejected) for rec in b]
+
+
+def test_a_peer_alone_opens_no_dense_group_and_waits_for_nobody():
+    net = LocalNetwork(matchmaking_s=2.0)  # a window it would have spent looking for a partner
+    peers = {"a": _peer(net, "a", [0, 1], seed=0)}
+    out = _run(peers, steps=10)
+    rounds = [rec for rec in out["a"] if rec.started]
+    assert len(rounds) == 2 and rounds[-1].last, rounds
+    for rec in rounds:  # nothing to average with: no group started, none failed, nothing waited
+        assert rec.dense_group == 1 and rec.rejected == [] and not rec.applied, rec
+        assert rec.sync_seconds < 1.0, rec
