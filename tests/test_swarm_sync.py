@@ -79,15 +79,19 @@ def test_replicas_agree_after_the_last_round(r):
         assert len(clean) >= 2 and started[-1].last, [(rec.step, rec.rejected) for rec in started]
         assert started[-1].final_unsettled == []
     models = {me: peers[me][0] for me in ids}
+    # equal where the last round averaged a replica; within fp16 where a holder whose last round failed
+    # adopted another's copy in the final agreement, or where a non-holder downloaded it
+    adopted = {name for me in ids for name in [rec for rec in out[me] if rec.started][-1].final_adopted}
     ref = dense_tensors(models["a"])
     for me in ids[1:]:
         for got, want in zip(dense_tensors(models[me]), ref, strict=True):
-            assert torch.allclose(got, want, atol=1e-6)
+            tol = 2e-3 if "dense" in adopted else 1e-6
+            assert torch.allclose(got, want, atol=tol * max(1.0, want.abs().max().item())), me
     for e in range(4):
         holders = [me for me in ids if e in experts[me]]
         ref = expert_tensors(models[holders[0]], e)
         for me in ids:
-            tol = 1e-6 if me in holders else 2e-3  # a downloaded copy travelled as fp16
+            tol = 1e-6 if me in holders and f"expert{e}" not in adopted else 2e-3
             for got, want in zip(expert_tensors(models[me], e), ref, strict=True):
                 assert torch.allclose(got, want, atol=tol * max(1.0, want.abs().max().item())), (e, me)
     # a fixed handful of groups per peer, whatever the number of local experts: dense, one per holder set
