@@ -172,12 +172,18 @@ def reap(procs) -> None:
     """Kill every process group we started that is still there (by PID)."""
     import contextlib
     import signal
+    import time
 
-    for p in procs:
-        if p is not None and p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+    running = [p for p in procs if p is not None and p.poll() is None]
+    for p in running:  # a test that failed may have left a peer waiting: its stacks go to its log first
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGUSR1)
+    if running:
+        time.sleep(0.5)
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
 
 
 def p2p_sockets() -> set[Path]:
