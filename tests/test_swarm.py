@@ -1,5 +1,9 @@
 """A real swarm on 127.0.0.1: a bootstrap peer and three ``swarm-peer`` processes train and synchronise."""
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -10,7 +14,12 @@ from swarm.net.round_memory import held_bytes
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import (
+    ROOT,
+    SWARM_SETTINGS,
+    p2p_sockets,
+    peer_cmd,
     reap,
+    remove_stale_p2p_sockets,
     round_records,
     run_peer,
     start_peer,
@@ -25,7 +34,7 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
     tiny_config, tmp_path, bootstrap_peer
 ):
     runs = [tmp_path / f"p{i}" for i in range(4)]
-    stop_at = str(time.time() + 50)  # a shared stop time: the peers meet for their last round together
+    stop_at = str(time.time() + 55)  # a shared stop time: the peers meet for their last round together
 
     def start(i):
         args = swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--stop-at", stop_at, max_steps=100000)
@@ -98,3 +107,93 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
                 assert close(models[i][k][e], ref, f"expert{e}"), (k, e, i)
             for i in set(range(4)) - set(holders):  # a downloaded copy: fp16 on the wire
                 assert torch.allclose(models[i][k][e], ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
+
+
+def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_peer):
+    import math
+
+    sockets_before = p2p_sockets()
+    runs = [tmp_path / f"p{i}" for i in range(3)]
+    args = [
+        "--config",
+        str(tiny_config),
+        "--initial-peers",
+        bootstrap_peer,
+        "--max-steps",
+        "100000",
+        *SWARM_SETTINGS,
+        "--set",
+        "train.checkpoint_every=25",
+    ]
+
+    def start(i, minutes, *extra):
+        return subprocess.Popen(
+            peer_cmd(*args, "--run-dir", str(runs[i]), "--max-minutes", str(minutes), *extra),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"p{i}.err", "a"),
+            start_new_session=True,  # its own process group: the peer and its hivemind processes
+        )
+
+    procs = [start(i, 0.75) for i in range(3)]
+    survivors, back = [], None
+    try:
+        # kill peer 2 while a round is under way: right after it started its second round
+        wait_until(
+            lambda: (runs[2] / "metrics.jsonl").exists() and len(round_records(runs[2])) >= 1,
+            120,
+            "first round",
+        )
+        wait_until(
+            lambda: any(r.get("step", 0) >= 100 for r in read_metrics(runs[2] / "metrics.jsonl")),
+            60,
+            "step 100",
+        )
+        time.sleep(1.0)
+        os.killpg(procs[2].pid, signal.SIGKILL)  # the whole peer dies at once, as in a crash
+        killed_at = time.time()
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        time.sleep(1)  # its orphaned children (DHT, p2pd, averagers) died with the group
+        for p in procs[:2]:
+            assert p.wait(timeout=240) == 0
+        after_kill = time.time() - killed_at
+        # the survivors kept training: steps went on well past the kill, and rounds kept completing
+        for run in runs[:2]:
+            steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+            assert steps[-1]["step"] >= 200, steps[-1]
+            assert after_kill < 2 * 30 + 120  # nobody stalled on the dead peer (round timeout is 30 s)
+            ckpt = load_checkpoint(latest_checkpoint(run / "checkpoints"))
+            assert all(torch.isfinite(t).all() for t in ckpt.model.values())
+            rounds = round_records(run)
+            assert sum(1 for r in rounds if "dense" in r.applied_groups) >= 2
+            assert all(r.dense_group <= 3 for r in rounds)
+            assert all(math.isfinite(r.sync_seconds) and r.sync_seconds <= 30 + 5 for r in rounds)
+        # the killed peer comes back from its checkpoint and rejoins the (now smaller) swarm
+        killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
+        survivors = [start(i, 0.5, "--resume") for i in range(2)]
+        back = start(2, 0.4, "--resume")
+        # Ctrl+C of a peer in the middle of training: it checkpoints where it is and leaves within a round
+        # timeout (30 s) + 15 s, whatever its round was doing
+        resumed_at = load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step
+        wait_until(
+            lambda: any(r.step > resumed_at for r in round_records(runs[1])), 120, "a round after resume"
+        )
+        os.killpg(survivors[1].pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        assert survivors[1].wait(timeout=60) == 130
+        assert time.monotonic() - interrupted < 30 + 15
+        last_step = [r for r in read_metrics(runs[1] / "metrics.jsonl") if "step" in r][-1]["step"]
+        assert load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step == last_step
+        assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
+        assert survivors[0].wait(timeout=180) == 0
+        later = [r for r in round_records(runs[2]) if r.step > killed_step]
+        assert any("dense" in r.applied_groups and r.dense_group >= 2 for r in later), later
+    finally:
+        for p in [
+            *procs,
+            *survivors,
+            *([back] if back else []),
+        ]:  # reap every process group we started, by PID
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        remove_stale_p2p_sockets(sockets_before)  # the killed peer's daemon could not remove its own
