@@ -22,8 +22,8 @@ demo: install
 # at a time. Both parts always run; the exit status is the first failure's.
 test: install
 	@status=0; \
-	$(PYTHON) -m pytest -q -n 2 --dist loadscope -m "not swarm" || status=$$?; \
-	$(PYTHON) -m pytest -q -m swarm || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
+	$(PYTHON) -m pytest -q --durations=8 -n 2 --dist loadscope -m "not swarm" || status=$$?; \
+	$(PYTHON) -m pytest -q --durations=8 -m swarm || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
 	exit $$status
 
 lint:
