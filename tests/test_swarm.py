@@ -1,6 +1,5 @@
 """A real swarm on 127.0.0.1: a bootstrap peer and three ``swarm-peer`` processes train and synchronise."""
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -190,11 +189,5 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         later = [r for r in round_records(runs[2]) if r.step > killed_step]
         assert any("dense" in r.applied_groups and r.dense_group >= 2 for r in later), later
     finally:
-        for p in [
-            *procs,
-            *survivors,
-            *([back] if back else []),
-        ]:  # reap every process group we started, by PID
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+        reap([*procs, *survivors, back])  # every process group we started, by PID (stacks of the stuck first)
         remove_stale_p2p_sockets(sockets_before)  # the killed peer's daemon could not remove its own
