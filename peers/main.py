@@ -18,6 +18,7 @@ Only rank 0 joins the swarm and writes the run dir; the other ranks train on ran
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -136,10 +137,22 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
 
 
 def main(argv: list[str] | None = None) -> int:
+    _stack_dumps()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # a local rank's signal can land while it handles a lost rank 0: still 130
         return 130
+
+
+def _stack_dumps() -> None:
+    """A crash (SIGSEGV, SIGABRT, ...) prints every thread's stack to stderr, and so does `kill -USR1 PID`:
+    where a peer that seems stuck is waiting. Not where stderr is no file (main() called in process)."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _main(argv: list[str] | None) -> int:

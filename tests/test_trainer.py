@@ -23,7 +23,7 @@ import yaml
 from swarm.train import load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint, list_checkpoints
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, TINY_CONFIG, peer_cmd, reap, run_peer
+from tests.conftest import ROOT, TINY_CONFIG, peer_cmd, reap, run_peer, wait_until
 from tests.hf_helpers import peer_here
 
 KILL_POINTS = ["model_written", "optimizer_written", "before_rename", "before_prune"]
@@ -171,8 +171,10 @@ def test_kill_during_checkpoint_write_leaves_loadable_latest(runs, reference, po
 
 
 def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
+    """A checkpoint every step; SIGKILL at moments spread over a step once training runs, three times."""
     run = tmp_path / "run"
-    for i, delay in enumerate((2.5, 3.1, 3.7)):
+    latest, step = None, 0
+    for delay in (0.01, 0.04, 0.07):
         cmd = peer_cmd(
             "--config",
             str(config),
@@ -188,13 +190,23 @@ def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
             "train.eval_every=1000",
         )
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay + i)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        try:
+            wait_until(lambda past=step + 3: _trained_past(run, past), 120, f"training past step {step + 3}")
+            time.sleep(
+                delay
+            )  # a checkpoint write takes a few ms here: these land before, inside and after one
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            reap([proc])
         latest = latest_checkpoint(run / "checkpoints")
-        if latest is not None:
-            load_checkpoint(latest)
-    assert latest is not None
+        step = load_checkpoint(latest).step  # loadable, and the next run resumes from it
+    assert step > 3
+
+
+def _trained_past(run: Path, step: int) -> bool:
+    path = run / "metrics.jsonl"
+    return path.exists() and any(r.get("step", 0) > step for r in read_metrics(path) if "loss" in r)
 
 
 def test_sigterm_writes_a_checkpoint(config, tmp_path):

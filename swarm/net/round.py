@@ -115,7 +115,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         time.sleep(max(0.0, plan.scheduled - timing.matchmaking_s - time.time()))
     wait = 0.0 if plan.scheduled is None else max(0.0, plan.scheduled - time.time())
     deadline = time.monotonic() + wait + timing.round_s
-    rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last)
+    rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last, dense_group=1)  # until it runs
     result = RoundResult(rec)
     local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)

@@ -87,8 +87,7 @@ class SwarmSync:
     def _near_last_round(self) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
         opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
-        t = self.timing
-        at = self.last_round_at
+        t, at = self.timing, self.last_round_at
         return at is not None and time.time() + t.ordinary_matchmaking_s >= at - t.matchmaking_s
 
     def experts_changed(self, model: MoETransformer) -> None:
@@ -113,7 +112,8 @@ class SwarmSync:
         unit = max(1.0, float(self.sc.sync_every * max(1, self._step_tokens)))  # same on every peer
         weights = {DENSE: max(1.0, self._tokens) / unit}
         weights |= {expert_item(e): max(1.0, float(self._expert_tokens[e])) / unit for e in local}
-        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
+        alone = not (self.members.view.peers.keys() - {self.ctx.me})  # nobody to average the dense with
+        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders, alone)
         local_tensors = {DENSE: dense_tensors(model)} | {
             expert_item(e): expert_tensors(model, e) for e in local
         }
