@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     save_config(cfg, effective)
     boot_log = open(run / "bootstrap.log", "w")
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started as a background job
     stop_bound = cfg.sync.round_timeout_s + 10  # a peer's own bound: a round in flight, then leaving
     interrupted = False
     boot = subprocess.Popen(

@@ -165,6 +165,9 @@ def _main(argv: list[str] | None) -> int:
         if args.max_steps is not None and args.max_steps < 0:
             raise ConfigError("--max-steps: must be >= 0")
         signal.signal(signal.SIGTERM, _terminate)
+        # started from a background job, a process inherits SIGINT ignored and Python then leaves it so:
+        # `kill -INT` must still checkpoint and stop a peer
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ranks = LocalRanks.from_env()  # a torchrun launch: one peer over several local devices
         if ranks is not None:
             signal.signal(signal.SIGTERM, _terminate_once)

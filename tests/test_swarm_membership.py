@@ -66,9 +66,11 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
         after = [r for r in _steps(runs[i]) if r["step"] > event["step"]]
         assert len(after) > 5 and all(math.isfinite(r["loss"]) for r in after)
         assert time.time() - left > 4
-        # the fast peer did not wait for the slow one, and both met for the last round
+        # the fast peer did not wait for the slow one (had it, their step counts would be about equal), and
+        # both met for the last round. Per-step overheads (logging, evaluation, rounds) shrink the 6x work
+        # ratio to 2-3x in steps, less on a loaded machine (1.9x once)
         fast, slow = (_steps(runs[j])[-1]["step"] for j in (0, 2))
-        assert fast > 2 * slow > 0, (fast, slow)
+        assert fast > 1.5 * slow > 0, (fast, slow)
         for j in (0, 2):
             rounds = round_records(runs[j])
             assert all(r.sync_seconds <= 30 + 5 for r in rounds if not r.last)

@@ -209,7 +209,14 @@ def _trained_past(run: Path, step: int) -> bool:
     return path.exists() and any(r.get("step", 0) > step for r in read_metrics(path) if "loss" in r)
 
 
-def test_sigterm_writes_a_checkpoint(config, tmp_path):
+def _as_background_job():  # what `cmd &` in a shell script does: SIGINT ignored, inherited by the child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint-background"])
+def test_signal_writes_a_checkpoint(config, tmp_path, sig):
+    """SIGTERM, and SIGINT even where the peer was started as a background job (Python would leave SIGINT
+    ignored), checkpoint and stop with 130."""
     run = tmp_path / "run"
     cmd = peer_cmd(
         "--config",
@@ -222,12 +229,23 @@ def test_sigterm_writes_a_checkpoint(config, tmp_path):
         "--set",
         "train.checkpoint_every=100000",
     )
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_background_job if sig == signal.SIGINT else None,
+        start_new_session=True,  # reap() kills its group
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_losses(run)) > 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        reap([proc])
     assert proc.returncode == 130, err
     assert load_checkpoint(latest_checkpoint(run / "checkpoints")).step >= 3
 
