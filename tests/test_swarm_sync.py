@@ -9,6 +9,7 @@ import torch
 from swarm.config import ModelConfig, RunConfig, SyncConfig
 from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors
+from swarm.net.group_layout import DENSE, GroupSpec, served_dense
 from swarm.net.local_transport import Fault, LocalNetwork
 from swarm.net.membership import Membership
 from swarm.net.swarm_sync import SwarmSync
@@ -110,7 +111,7 @@ def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
     assert sum(rec.clean for rec in b[1:]) >= 2, [(rec.step, rec.rejected) for rec in b]
 
 
-def test_a_peer_alone_opens_no_dense_group_and_waits_for_nobody():
+def test_a_peer_alone_waits_for_nobody_and_serves_its_dense_weights():
     net = LocalNetwork(matchmaking_s=2.0)  # a window it would have spent looking for a partner
     peers = {"a": _peer(net, "a", [0, 1], seed=0)}
     out = _run(peers, steps=10)
@@ -119,3 +120,22 @@ def test_a_peer_alone_opens_no_dense_group_and_waits_for_nobody():
     for rec in rounds:  # nothing to average with: no group started, none failed, nothing waited
         assert rec.dense_group == 1 and rec.rejected == [] and not rec.applied, rec
         assert rec.sync_seconds < 1.0, rec
+
+
+def test_a_peer_alone_serves_its_dense_weights_after_an_ordinary_round():
+    """What a peer joining it catches up from (before anyone's last round)."""
+    net = LocalNetwork(matchmaking_s=2.0)
+    model, sync = _peer(net, "a", [0, 1], seed=0)
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+    try:
+        for step in range(1, SYNC.sync_every + 1):  # a round starts at the last of these steps
+            sync.after_step(model, StepReport(step, 64 * step, 64, tokens, 1.0))
+        sync.wait_for_round()
+        (rec,) = sync.apply_finished(model)
+        assert rec.started and not rec.last and rec.dense_group == 1 and rec.sync_seconds < 1.0, rec
+        mine = dense_tensors(model)
+        served = net.transport("b").fetch("a", "t_dense", timeout=1.0)
+        got = served_dense(GroupSpec("t_dense", (DENSE,)), served.meta, served.tensors, len(mine))
+        assert got is not None and all(torch.equal(x, y) for x, y in zip(got, mine, strict=True))
+    finally:
+        sync.close()

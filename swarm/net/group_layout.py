@@ -49,11 +49,10 @@ def experts_group_name(run_id: str, experts: Sequence[int]) -> str:
 
 
 def layout(
-    run_id: str, me: str, local: Sequence[int], holders: Mapping[int, frozenset[str]], alone: bool = False
+    run_id: str, me: str, local: Sequence[int], holders: Mapping[int, frozenset[str]]
 ) -> tuple[list[GroupSpec], list[int]]:
     """The dense group, one group per set of local experts with the same holders (as this view sees
-    them), and the experts we hold alone (nothing to average; they are only served). ``alone``: no other
-    peer is in view, so there is no dense group either (its matchmaking window would be spent for nothing)."""
+    them), and the experts we hold alone (nothing to average; they are only served)."""
     by_holders: dict[frozenset[str], list[int]] = {}
     sole = []
     for e in sorted(local):
@@ -62,7 +61,7 @@ def layout(
             sole.append(e)
         else:
             by_holders.setdefault(who, []).append(e)
-    specs = [] if alone else [GroupSpec(f"{run_id}_dense", (DENSE,))]
+    specs = [GroupSpec(f"{run_id}_dense", (DENSE,))]
     for experts in sorted(by_holders.values()):
         specs.append(GroupSpec(experts_group_name(run_id, experts), tuple(map(expert_item, experts))))
     return specs, sole

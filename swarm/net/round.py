@@ -81,6 +81,9 @@ class RoundPlan:
     sole: Sequence[int]  # local experts nobody else holds: only served
     scheduled: float | None = None  # the last round's shared start (wall time)
     last: bool = False
+    # nobody else in view: the dense group is not started (its matchmaking window would be spent for
+    # nothing), it only serves our copy, which a joiner catches up from
+    alone: bool = False
 
 
 @dataclass
@@ -125,6 +128,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
 
     started = []
     for spec, group in plan.groups:
+        if plan.alone and spec.items == (DENSE,):
+            started.append((spec, group, None))
+            continue
         weights = {item: plan.weights[item] for item in spec.items}
         info = RoundInfo(plan.step, plan.index, plan.last, tuple(weights[i] for i in spec.items))
         try:
@@ -142,7 +148,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     checked = []
     for spec, group, handle in started:
         outcome = GroupOutcome(False, "not started")
-        if group is not None:
+        if handle is not None:
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
         size, why, published = _checked(spec, outcome, plan, ctx, local, deadline)
         checked.append((spec, group, outcome, size, why, published))
@@ -153,7 +159,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if published is not None:
             got, why = _confirmed(spec, outcome, ctx, local, published, deadline)
         if got is None:
-            if group is not None:
+            if group is not None and not (plan.alone and spec.items == (DENSE,)):
                 rec.rejected.append(f"{_label(spec)}: {why}")
         else:
             averaged |= got

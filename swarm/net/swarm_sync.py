@@ -112,8 +112,7 @@ class SwarmSync:
         unit = max(1.0, float(self.sc.sync_every * max(1, self._step_tokens)))  # same on every peer
         weights = {DENSE: max(1.0, self._tokens) / unit}
         weights |= {expert_item(e): max(1.0, float(self._expert_tokens[e])) / unit for e in local}
-        alone = not (self.members.view.peers.keys() - {self.ctx.me})  # nobody to average the dense with
-        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders, alone)
+        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
         local_tensors = {DENSE: dense_tensors(model)} | {
             expert_item(e): expert_tensors(model, e) for e in local
         }
@@ -131,6 +130,7 @@ class SwarmSync:
             sole,
             scheduled,
             last=scheduled is not None or self.leaving,
+            alone=not (self.members.view.peers.keys() - {self.ctx.me}),
         )
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
