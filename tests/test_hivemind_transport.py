@@ -3,12 +3,14 @@
 import multiprocessing as mp
 import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
 from swarm.net.hivemind_group import HivemindGroup
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
@@ -149,3 +151,41 @@ def test_groups_hold_host_fp32_tensors_whatever_the_models_device():
             group.close()
     finally:
         dht.shutdown()
+
+
+def _signal_masks(pid: int) -> dict[str, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(ln.split(":\t", 1) for ln in status.splitlines() if ":\t" in ln)
+    return {k: int(fields[k], 16) for k in ("SigBlk", "SigIgn", "SigCgt")}
+
+
+def _has(mask: int, sig: signal.Signals) -> bool:
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_hivemind_processes_ignore_ctrl_c_and_a_ctrl_c_while_they_start_is_not_lost():
+    """Ctrl+C reaches a peer's whole process group: its hivemind processes ignore it (the peer shuts them
+    down) and die of SIGTERM; the peer itself keeps its handler, and a Ctrl+C that lands while it forks one
+    is delivered right after instead of being dropped."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    dht = start_dht()
+    try:
+        group = HivemindGroup(dht, "t_signals", [torch.zeros(4)])
+        try:
+            assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # hivemind's would leave it so
+            for pid in (dht.pid, group.averager.pid):
+                m = _signal_masks(pid)
+                assert _has(m["SigIgn"], signal.SIGINT) and not _has(m["SigCgt"], signal.SIGTERM), m
+                assert not _has(m["SigBlk"], signal.SIGINT) and not _has(m["SigBlk"], signal.SIGTERM), m
+        finally:
+            group.close()
+        with hivemind_child_signals():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.1)
+            assert got == []  # held back while a child would be forking
+        time.sleep(0.1)
+        assert got == [signal.SIGINT]
+    finally:
+        dht.shutdown()
+        signal.signal(signal.SIGINT, before)

@@ -104,7 +104,7 @@ def assert_ranks_equal(run: Path) -> dict[str, list]:
 def test_two_rank_peer_in_a_swarm(tiny_config, tmp_path, bootstrap_peer):
     ranked, plain = tmp_path / "ranked", tmp_path / "plain"
     sockets_before = p2p_sockets()
-    stop_at = str(time.time() + 32)  # a shared stop: both peers meet for the last round
+    stop_at = str(time.time() + 26)  # a shared stop: both peers meet for the last round
     procs = [
         start_two_ranks(
             swarm_peer_args(tiny_config, bootstrap_peer, ranked, "--stop-at", stop_at), tmp_path / "r.log"

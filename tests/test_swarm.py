@@ -33,7 +33,7 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
     tiny_config, tmp_path, bootstrap_peer
 ):
     runs = [tmp_path / f"p{i}" for i in range(4)]
-    stop_at = str(time.time() + 55)  # a shared stop time: the peers meet for their last round together
+    stop_at = str(time.time() + 48)  # a shared stop time: the peers meet for their last round together
 
     def start(i):
         args = swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--stop-at", stop_at, max_steps=100000)
@@ -134,7 +134,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             start_new_session=True,  # its own process group: the peer and its hivemind processes
         )
 
-    procs = [start(i, 0.75) for i in range(3)]
+    procs = [start(i, 0.5) for i in range(3)]
     survivors, back = [], None
     try:
         # kill peer 2 while a round is under way: right after it started its second round
@@ -170,8 +170,8 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         # the killed peer comes back from its checkpoint and rejoins the (now smaller) swarm
         killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
         # survivor 1 is interrupted below: it must still be training then, however slow the machine is
-        survivors = [start(0, 0.5, "--resume"), start(1, 3, "--resume")]
-        back = start(2, 0.4, "--resume")
+        survivors = [start(0, 0.35, "--resume"), start(1, 3, "--resume")]
+        back = start(2, 0.3, "--resume")
         # Ctrl+C of a peer in the middle of training: it checkpoints where it is and leaves within a round
         # timeout (30 s) + 15 s, whatever its round was doing
         resumed_at = load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step

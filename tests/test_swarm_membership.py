@@ -40,7 +40,7 @@ def test_orphan_is_reclaimed_while_a_slow_and_a_fast_peer_train(tiny_config, tmp
     procs = [start(1, "--max-minutes", "2")]
     try:
         wait_until(lambda: len(_steps(runs[1])) > 0, 90, "peer 1 training")  # its experts are in the DHT
-        stop_at = str(time.time() + 45)  # peers 0 and 2 meet for a last round at the same time
+        stop_at = str(time.time() + 36)  # peers 0 and 2 meet for a last round at the same time
         procs += [
             start(0, "--stop-at", stop_at),
             start(2, "--stop-at", stop_at, "--set", "train.grad_accum=6"),

@@ -53,7 +53,7 @@ def start_dht(
         kwargs["identity_path"] = str(identity_path)
     try:
         with hivemind_child_signals():
-            dht = hivemind.DHT(**kwargs)
+            dht = _DHT(**kwargs)
         dht.wait_until_ready(timeout=wait_timeout)
     except Exception as e:  # hivemind raises several types; the user needs one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -63,22 +63,39 @@ def start_dht(
     return dht
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 @contextlib.contextmanager
 def hivemind_child_signals():
     """Wrap the creation of hivemind's forked processes (DHT, averagers). Ctrl+C reaches the whole process
     group: those children must not die of it before the parent shuts them down cleanly (a killed daemon
-    leaves sockets behind), so they inherit SIG_IGN for SIGINT; and they must not inherit the parent's
-    Python SIGTERM handler (which turns SIGTERM into a checkpoint-and-leave), so SIGTERM is default."""
+    leaves sockets behind), and they must not run the parent's Python SIGTERM handler (which turns SIGTERM
+    into a checkpoint-and-leave). So they fork with SIGINT and SIGTERM blocked and set their own
+    (``as_hivemind_child``) before taking signals. In this process the signals are only held back until
+    the fork is done: ignoring them here, as before, lost a Ctrl+C that landed while a group opened."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def as_hivemind_child() -> None:
+    """First thing in a hivemind process forked under ``hivemind_child_signals``: Ctrl+C ignored (the
+    parent shuts it down), SIGTERM kills it, then signals are taken again."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class _DHT(hivemind.DHT):
+    def run(self) -> None:
+        as_hivemind_child()
+        super().run()
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -25,7 +25,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import MSGPackSerializer
 
-from swarm.net.dht_node import hivemind_child_signals
+from swarm.net.dht_node import as_hivemind_child, hivemind_child_signals
 from swarm.net.transport import GroupOutcome
 
 MAX_INFO_BYTES = 4096
@@ -48,6 +48,17 @@ class _ServingAverager(hivemind.DecentralizedAverager):
             with self.get_tensors() as buffers:
                 tensors = [t.clone() for t in buffers]
         return meta, list(tensors), None
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind's own sets SIGINT ignored in *this* process, for the child to inherit, and never restores
+        # it (a Ctrl+C would be lost from then on); the child sets its own signals instead (run)
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self) -> None:
+        as_hivemind_child()
+        super().run()
 
     async def _shutdown(self, timeout):
         # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
