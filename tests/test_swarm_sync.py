@@ -12,6 +12,7 @@ from swarm.net.expert_tensors import dense_tensors, expert_tensors
 from swarm.net.group_layout import DENSE, GroupSpec, served_dense
 from swarm.net.local_transport import Fault, LocalNetwork
 from swarm.net.membership import Membership
+from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.swarm_sync import SwarmSync
 from swarm.net.timing import Timing
 from swarm.train.sync_hook import StepReport
@@ -123,8 +124,11 @@ def test_a_peer_alone_waits_for_nobody_and_serves_its_dense_weights():
 
 
 def test_a_peer_alone_serves_its_dense_weights_after_an_ordinary_round():
-    """What a peer joining it catches up from (before anyone's last round)."""
+    """What a peer joining it catches up from (before anyone's last round): a joiner in view does not make
+    it look for a partner (and stop serving while it looks)."""
     net = LocalNetwork(matchmaking_s=2.0)
+    joining = Heartbeat(experts=[], state="joining", period_s=SYNC.heartbeat_s)
+    publish_heartbeat(net.store("j"), "t", "j", joining, ttl_s=60.0)
     model, sync = _peer(net, "a", [0, 1], seed=0)
     tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
     try:

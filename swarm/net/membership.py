@@ -44,6 +44,11 @@ class MembershipView:
     holders: Mapping[int, frozenset[str]] = field(default_factory=dict)
     orphaned_since: Mapping[int, float] = field(default_factory=dict)
 
+    def partners(self, me: str) -> list[str]:
+        """The other peers that may average with us now: training, or in their last round (a joiner has not
+        caught up yet, and a peer that is done averages no more)."""
+        return [p for p, hb in self.peers.items() if p != me and hb.state in ("training", "finishing")]
+
     def step_of(self, peer: str) -> int:
         hb = self.peers.get(peer)
         return hb.step if hb is not None else 0

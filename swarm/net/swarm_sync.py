@@ -130,7 +130,7 @@ class SwarmSync:
             sole,
             scheduled,
             last=scheduled is not None or self.leaving,
-            alone=not (self.members.view.peers.keys() - {self.ctx.me}),
+            alone=not self.members.view.partners(self.ctx.me),
         )
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
