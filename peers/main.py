@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,9 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 _interrupted = False
+_stop_requested = threading.Event()
 
 
-def _terminate(signum, frame):  # SIGTERM behaves like Ctrl+C: checkpoint, then leave
+def _terminate(signum, frame):  # SIGINT and SIGTERM: checkpoint, then leave
+    _stop_requested.set()  # for when the exception lands where Python ignores it (see Trainer)
     raise KeyboardInterrupt
 
 
@@ -95,6 +98,7 @@ def _terminate_once(signum, frame):
     the first counts, so that rank 0's checkpoint is not cut short."""
     global _interrupted
     _interrupted = True
+    _stop_requested.set()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
@@ -164,10 +168,10 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError("give either --solo or --initial-peers MADDR ...")
         if args.max_steps is not None and args.max_steps < 0:
             raise ConfigError("--max-steps: must be >= 0")
+        # SIGINT too: started from a background job, a process inherits SIGINT ignored and Python leaves it
+        # so, yet `kill -INT` must still checkpoint and stop a peer
         signal.signal(signal.SIGTERM, _terminate)
-        # started from a background job, a process inherits SIGINT ignored and Python then leaves it so:
-        # `kill -INT` must still checkpoint and stop a peer
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _terminate)
         ranks = LocalRanks.from_env()  # a torchrun launch: one peer over several local devices
         if ranks is not None:
             signal.signal(signal.SIGTERM, _terminate_once)
@@ -181,7 +185,12 @@ def _main(argv: list[str] | None) -> int:
             keep_freed_memory()
         leader = ranks is None or ranks.is_leader
         trainer = Trainer(
-            cfg, Path(args.run_dir), sync=NoSync(), progress=not args.no_progress and leader, ranks=ranks
+            cfg,
+            Path(args.run_dir),
+            sync=NoSync(),
+            progress=not args.no_progress and leader,
+            ranks=ranks,
+            stop=_stop_requested,
         )
         if leader:  # ranks > 0 never touch the swarm or the run dir
             # read and check --init-from before set-up writes anything to the run dir

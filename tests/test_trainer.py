@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,6 +249,31 @@ def test_signal_writes_a_checkpoint(config, tmp_path, sig):
         reap([proc])
     assert proc.returncode == 130, err
     assert load_checkpoint(latest_checkpoint(run / "checkpoints")).step >= 3
+
+
+def test_a_lost_ctrl_c_still_stops_training_at_the_next_step(config, tmp_path):
+    """swarm-peer's signal handler sets ``stop`` and raises KeyboardInterrupt; where Python swallowed that
+    exception (it landed in an at-fork hook while a group opened), the loop stops at its next step."""
+    from swarm.config import load_config
+    from swarm.train.sync_hook import NoSync
+    from swarm.train.trainer import Trainer
+
+    stop = threading.Event()
+
+    class LostCtrlC(NoSync):
+        def after_step(self, model, report):
+            if report.step == 3:
+                stop.set()  # what the handler does, minus the exception
+            return super().after_step(model, report)
+
+    trainer = Trainer(load_config(config), tmp_path / "run", sync=LostCtrlC(), progress=False, stop=stop)
+    trainer.setup()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(max_steps=50)
+    finally:
+        trainer.close()
+    assert load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints")).step == 3
 
 
 def _one_error_line(res):

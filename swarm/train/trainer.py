@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,10 @@ class Trainer:
         sync: SyncHook | None = None,
         progress: bool = True,
         ranks: LocalRanks | None = None,
+        stop: threading.Event | None = None,  # set with each Ctrl+C: see train()
     ) -> None:
         self.cfg, self.run_dir, self.sync, self.progress = cfg, Path(run_dir), sync or NoSync(), progress
+        self.stop = stop
         self.step, self.tokens, self.ranks = 0, 0, ranks
         self.model: MoETransformer | None = None  # the raw model: rounds, evaluation, checkpoints use it
         self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
@@ -309,21 +312,17 @@ class Trainer:
         if self.step == 0:
             summary["initial_val_loss"] = self.evaluate()
             self.metrics.write(step=0, tokens=0, val_loss=summary["initial_val_loss"])
-        bar = tqdm(
-            total=target,
-            initial=self.step,
-            disable=not self.progress,
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=1.0 if sys.stderr.isatty() else 10.0,
-            desc=f"peer {self.cfg.run_id}",
-        )
+        every = 1.0 if sys.stderr.isatty() else 10.0
+        bar = tqdm(total=target, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True,
+                   mininterval=every, desc=f"peer {self.cfg.run_id}")  # fmt: skip
         window_t, window_tok = time.perf_counter(), 0
         out_of_time = stop_at is not None and time.monotonic() >= stop_at
         if self.ranks is not None:  # rank 0's clock decides for every rank
             _, out_of_time = self.ranks.share_decisions(self.model, self.step, [], None, out_of_time)
         try:
             while self.step < target:
+                if self.stop is not None and self.stop.is_set():  # a Ctrl+C whose KeyboardInterrupt
+                    raise KeyboardInterrupt  # was lost where Python ignores exceptions (an at-fork hook)
                 if out_of_time:
                     target = self.step  # out of time: this is the last step
                     self.save()
