@@ -13,6 +13,7 @@ from swarm.sync import (
     clamp_weight,
     merge_alpha_at,
     merge_experts,
+    orphan_claim_rank,
     orphan_swap,
     settle_joiners,
     should_merge,
@@ -48,6 +49,17 @@ def test_orphan_swap_only_when_all_mine_are_replicated():
     assert orphan_swap([0, 1], holders, {2: 10.0}, grace_s=60, peer_id="me") is None  # grace not over
     holders[1] = {"me"}
     assert orphan_swap([0, 1], holders, {2: 100.0}, grace_s=60, peer_id="me") is None  # 1 would be orphaned
+
+
+def test_peers_that_see_the_same_orphans_go_for_the_same_one_and_one_is_first():
+    """A holder of 4 orphans leaves; two peers holding the same 4 experts both see 4 orphans of one age."""
+    for a, b in [("p0", "p2"), ("alice", "bob"), ("x1", "x2"), ("12D3KooWa", "12D3KooWb")]:
+        holders = {e: {a, b} for e in range(4)} | {e: set() for e in range(4, 8)}
+        ages = {e: 100.0 for e in range(4, 8)}
+        swaps = {p: orphan_swap(list(range(4)), holders, ages, grace_s=60, peer_id=p) for p in (a, b)}
+        assert swaps[a][1] == swaps[b][1] == 4, swaps  # the longest orphaned, then the lowest id
+        ranks = sorted(orphan_claim_rank(4, holders, p) for p in (a, b))
+        assert ranks == [0, 1]  # one claims now, the other a heartbeat later sees it is no longer eligible
 
 
 def test_apply_average_keeps_local_progress():

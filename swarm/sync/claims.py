@@ -37,7 +37,10 @@ def orphan_swap(
     """If some expert has had no live holder for ``grace_s`` seconds and every expert of this peer is
     replicated (another live holder exists), return (expert to give up, orphan to take); else None.
 
-    The expert given up is the most replicated one; the orphan is the longest orphaned (ties by hash)."""
+    The expert given up is the most replicated one; the orphan is the longest orphaned, ties by id: every
+    eligible peer goes for the same orphan, so that ``orphan_claim_rank`` lets one of them take it. (With
+    ties by a per-peer hash, two peers each ranked first for a different orphan claimed in the same
+    heartbeat, and could have given up the same expert.)"""
     orphans = [
         e
         for e, since in orphaned_for.items()
@@ -48,7 +51,7 @@ def orphan_swap(
     replication = {e: len(set(holders.get(e, ())) - {peer_id}) for e in mine}
     if not mine or min(replication.values()) < 1:
         return None
-    take = max(orphans, key=lambda e: (orphaned_for[e], _tie_break(peer_id, e)))
+    take = max(orphans, key=lambda e: (orphaned_for[e], -e))
     give = max(mine, key=lambda e: (replication[e], _tie_break(peer_id, e)))
     return give, take
 
