@@ -81,8 +81,8 @@ class RoundPlan:
     sole: Sequence[int]  # local experts nobody else holds: only served
     scheduled: float | None = None  # the last round's shared start (wall time)
     last: bool = False
-    # nobody else in view: the dense group is not started (its matchmaking window would be spent for
-    # nothing), it only serves our copy, which a joiner catches up from
+    # no partner in view (MembershipView.partners): the dense group is not started (its matchmaking window
+    # would be spent for nothing), it only serves our copy, which a joiner catches up from
     alone: bool = False
 
 
