@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -123,6 +124,10 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     check_or_publish_fingerprint(store, cfg.run_id, cfg.fingerprint())
     if cfg.data.seed is None:  # each peer samples its own windows
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
+    # The optimizer's first add_param_group imports torch._dynamo, seconds of CPU: done while the claim
+    # waits for simultaneous joiners instead of after it. Only after the DHT has forked its process (a child
+    # forked mid-import would inherit the module's lock held); set-up waits for the import to finish.
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     local, peers = claim_experts(store, me, cfg)
     trainer.setup(resume=args.resume, local_experts=local)
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
