@@ -151,15 +151,15 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if handle is not None:
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
         size, why, published = _checked(spec, outcome, plan, ctx, local, deadline)
-        checked.append((spec, group, outcome, size, why, published))
+        checked.append((spec, group, handle is not None, outcome, size, why, published))
     sent = 0
     averaged: dict[str, list[torch.Tensor]] = {}
-    for spec, group, outcome, size, why, published in checked:
+    for spec, group, was_started, outcome, size, why, published in checked:
         got = None
         if published is not None:
             got, why = _confirmed(spec, outcome, ctx, local, published, deadline)
         if got is None:
-            if group is not None and not (plan.alone and spec.items == (DENSE,)):
+            if was_started:  # one that could not start said why already; a lone dense group only serves
                 rec.rejected.append(f"{_label(spec)}: {why}")
         else:
             averaged |= got
