@@ -1,3 +1,4 @@
+import hashlib
 import os
 import subprocess
 import sys
@@ -58,9 +59,11 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def tiny_config(tmp_path, tiny_data) -> Path:
-    """Write the tiny config (pointing at ``tiny_data``) and return its path."""
-    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}
+def tiny_config(request, tmp_path, tiny_data) -> Path:
+    """Write the tiny config (pointing at ``tiny_data``) and return its path. Each test's run has an id of
+    its own: the tests of a session share one bootstrap peer (one DHT), and their records must not mix."""
+    run_id = "tiny-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]
+    cfg = {**TINY_CONFIG, "run_id": run_id, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -83,11 +86,11 @@ def run_peer(*args: str, env: dict | None = None, timeout: float = 240) -> subpr
     )
 
 
-@pytest.fixture
-def bootstrap_peer(tmp_path):
-    """A real ``swarm-bootstrap`` process on 127.0.0.1; yields its multiaddr, then stops it (by PID) and
-    checks that it exited cleanly."""
-    log = tmp_path / "bootstrap.log"
+@pytest.fixture(scope="session")
+def bootstrap_peer(tmp_path_factory):
+    """A real ``swarm-bootstrap`` process on 127.0.0.1, one per session (each test's ``tiny_config`` names a
+    run of its own); yields its multiaddr, then stops it (by PID) and checks that it exited cleanly."""
+    log = tmp_path_factory.mktemp("bootstrap") / "bootstrap.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "bootstrap.main"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT

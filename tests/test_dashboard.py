@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.config import load_config
 from swarm.dashboard.history import History
 from swarm.dashboard.peer_table import PeerTable
 from swarm.dashboard.prometheus_metrics import metrics_registry, render
@@ -342,6 +343,7 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
 
     ARTIFACTS.mkdir(exist_ok=True)
     procs, reader, period = [], None, 2.0  # SWARM_SETTINGS: heartbeat every 2 s
+    run_id = load_config(tiny_config).run_id
     boot_port, dash_port = _free_port(), _free_port()
     try:
         boot = _start(
@@ -406,8 +408,8 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
             return False
 
         wait_until(ready, 150, f"two training peers on the dashboard: {(tmp_path / 'dash.log').read_text()}")
-        state = agree_with_dht(base, reader, "tiny", 8)
-        assert agree_with_dht(f"http://127.0.0.1:{boot_port}/", reader, "tiny", 8)  # the bootstrap's page
+        state = agree_with_dht(base, reader, run_id, 8)
+        assert agree_with_dht(f"http://127.0.0.1:{boot_port}/", reader, run_id, 8)  # the bootstrap's page
         assert state["summary"]["experts_covered"] == 8  # 2 peers x 4 experts of 8
 
         with sync_playwright() as pw:
@@ -424,7 +426,7 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
                 """() => Object.fromEntries([...document.querySelectorAll('#peers tbody tr[data-peer]')]
                     .map((tr) => [tr.dataset.peer, tr.querySelector('td.experts').textContent]))"""
             )
-            beats = read_heartbeats(reader, "tiny", timeout=10)
+            beats = read_heartbeats(reader, run_id, timeout=10)
             assert shown == {pid: ", ".join(map(str, sorted(hb.experts))) for pid, (hb, _) in beats.items()}
             assert page.locator("#s-covered").inner_text() == "8 / 8"
             # the charts draw the history: as many points as the page's state has samples
@@ -480,7 +482,7 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
             page.screenshot(path=str(shot), full_page=True)
             print(f"screenshot: {shot}")
             browser.close()
-        agree_with_dht(base, reader, "tiny", 8)  # after the kill too
+        agree_with_dht(base, reader, run_id, 8)  # after the kill too
 
         dash.send_signal(signal.SIGTERM)
         assert dash.wait(timeout=30) == 0 and "dashboard stopped" in (tmp_path / "dash.log").read_text()
