@@ -1,6 +1,7 @@
 """Settling the replicas after the last round, in process on the in-memory store and transport."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -52,6 +53,61 @@ def test_a_differing_replica_adopts_the_majority_copy():
         for got, ref in zip(live[me], want, strict=True):
             tol = 0 if i < 2 else 2e-3 * ref.abs().max().item()  # fp16 on the wire
             assert torch.allclose(got, ref, atol=tol, rtol=0)
+
+
+def test_holders_that_finish_late_are_waited_for_and_everyone_ends_with_one_copy():
+    """Two pairs of holders, each pair equal after a last round of its own; the pair holding the smallest
+    id ends its round 2.5 s after the other (past the 1 s read bound). Had the early pair decided without
+    the late digests, it would have kept its copy while the late pair, seeing a 2-2 tie, kept theirs."""
+    net = LocalNetwork()
+    early, late = ["peer-c", "peer-d"], ["peer-a", "peer-b"]
+    torch.manual_seed(0)
+    copies = {"early": [torch.randn(300)], "late": [torch.randn(300)]}
+    live = {me: [t.clone() for t in copies["early" if me in early else "late"]] for me in early + late}
+    done = {}
+
+    def holder(me: str) -> None:
+        if me in late:
+            time.sleep(2.5)
+        transport = net.transport(me)
+        server = transport.open_server("t_dense")
+
+        def fetch(peer, name):
+            served = transport.fetch(peer, "t_dense", timeout=1)
+            return served.tensors if served is not None else None
+
+        items = {"dense": FinalItem(live[me], frozenset(live) - {me})}
+        serve = lambda name, tensors: server.serve(tensors, {"item": name})  # noqa: E731
+        done[me] = agree_on_final_copies(net.store(me), "t_run", me, items, fetch, serve, 1.0, 4.0, wait=8.0)
+
+    threads = [threading.Thread(target=holder, args=(me,)) for me in live]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert {me: done[me] for me in early} == {me: (["dense"], []) for me in early}
+    assert {me: done[me] for me in late} == {me: ([], []) for me in late}
+    for me in live:
+        assert torch.equal(live[me][0], copies["late"][0]), me
+
+
+def test_a_digest_that_never_comes_is_reported_unsettled():
+    net = LocalNetwork()
+    items = {"dense": FinalItem([torch.ones(10)], frozenset({"peer-gone"}))}
+    started = time.monotonic()
+    got = agree_on_final_copies(
+        net.store("peer-a"),
+        "t_run",
+        "peer-a",
+        items,
+        lambda p, n: None,
+        lambda n, t: None,
+        0.5,
+        4.0,
+        wait=1.0,
+    )
+    assert got == ([], ["dense: no digest from 1 holder(s)"])
+    assert 1.0 <= time.monotonic() - started < 3.0
 
 
 def test_winner_is_the_largest_agreeing_set_then_the_smallest_id():

@@ -6,10 +6,11 @@ A synchronous last round normally leaves the holders of each group equal. But a 
 holder and not on another (hivemind may drop a member during matchmaking; a digest may arrive after a
 partner's deadline), and then their copies differ for good, because nobody trains or averages afterwards.
 So every peer that is finishing publishes a digest of each group it holds (dense, its experts) under a
-per-group key, waits briefly for the other finishing holders, and the copies are compared: the largest set
-of agreeing copies wins (ties: the one with the smallest peer id), and a peer whose copy differs downloads
-the winner's (checked like any received tensor) and serves that from then on. Everybody computes the same
-winner from the same digests, so no further messages are needed.
+per-group key, waits for the other finishing holders (up to a round: one may still be in its last round),
+and the copies are compared: the largest set of agreeing copies wins (ties: the one with the smallest peer
+id), and a peer whose copy differs downloads the winner's (checked like any received tensor) and serves
+that from then on. Everybody computes the same winner from the same digests, so no further messages are
+needed; a holder whose digest never came is reported as unsettled.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def agree_on_final_copies(
     timeout: float,
     max_rel_distance: float,
     window: float = 60.0,
+    wait: float | None = None,
     poll: float = 0.25,
 ) -> tuple[list[str], list[str]]:
     """Returns (items whose copy we replaced with the winner's, items we could not settle and why).
     ``fetch(peer, item)`` downloads a peer's copy; ``serve(item, tensors)`` makes ours what we serve.
+    ``timeout`` bounds each read and download, ``wait`` (default ``timeout``) the wait for the other
+    holders' digests: a holder still in its last round publishes later, and a peer that decided without
+    its digest could keep a copy that the late ones replace. A digest that never came is reported.
     Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored."""
     started = store.now()
 
@@ -79,7 +84,7 @@ def agree_on_final_copies(
         mine[name] = digest(copy)
         announce(name, mine[name])
     seen: dict[str, dict[str, list[float]]] = {name: {me: d} for name, d in mine.items()}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if wait is None else wait)
     pending = {name for name, item in items.items() if item.others}
     while pending and time.monotonic() < deadline:
         for name in list(pending):
@@ -94,7 +99,10 @@ def agree_on_final_copies(
                 pending.discard(name)
         if pending:
             time.sleep(poll)
-    adopted, unsettled = [], []
+    adopted = []
+    unsettled = [
+        f"{name}: no digest from {len(items[name].others - set(seen[name]))} holder(s)" for name in pending
+    ]
     for name, item in items.items():
         best = winner(seen[name])
         if best == me or digests_agree(mine[name], seen[name][best]):

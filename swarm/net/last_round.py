@@ -2,7 +2,7 @@
 
     records = take_last_round(sync, model, report)    # SwarmSync.last_round calls this
 
-The peer waits for (or abandons) the round in flight, says it is finishing (a pending orphan claim is void),
+The peer says it is finishing (a pending orphan claim is void), waits for (or abandons) the round in flight,
 and starts a round marked last: peers given the same stop time meet at a shared moment (``last_round_at``),
 and an ordinary round never mixes with a last one. Then the final agreement (``final_agreement``) makes
 every replica of the dense weights and of each expert the same, even where that round failed on one holder,
@@ -34,10 +34,12 @@ from swarm.train.sync_hook import StepReport
 
 def take_last_round(sync, model: MoETransformer, report: StepReport) -> list[RoundRecord]:
     """See the module docstring. ``sync``: the peer's ``SwarmSync``."""
+    # "finishing" goes out before the wait for the round in flight: a peer that ends its last round before
+    # we end ours must count us among the holders whose final digests it waits for
+    sync.members.set_state("finishing")
     sync.wait_for_round()
     records = sync.apply_finished(model)
     sync.leaving = True
-    sync.members.set_state("finishing")
     scheduled = None
     if sync.last_round_at is not None:  # every peer of the run meets at the same moment for the last round
         scheduled = max(sync.last_round_at, time.time() + sync.timing.matchmaking_s)
@@ -92,7 +94,7 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
 
     settled = agree_on_final_copies(
         ctx.store, ctx.run_id, ctx.me, items, fetch, serve, ctx.timing.final_agreement_s,
-        sync.sc.max_rel_distance, ctx.timing.final_window_s,
+        sync.sc.max_rel_distance, ctx.timing.final_window_s, ctx.timing.final_wait_s,
     )  # fmt: skip
     # what every non-holder must end with: our copies as settled
     ctx.server.update({e: ts for e, ts in live.items() if e != DENSE}, step, final=True)

@@ -47,6 +47,12 @@ class Timing:
         return self.round_s + self.matchmaking_s + 2 * self.final_agreement_s
 
     @property
+    def final_wait_s(self) -> float:
+        """How long the final agreement waits for a finishing holder's digests: that holder may have been
+        held up to a round by the round it had in flight when it stopped."""
+        return self.round_s + self.matchmaking_s
+
+    @property
     def join_round_s(self) -> float:
         """How long leaving waits for a round in flight to end (its own timeout, plus a margin)."""
         return self.round_s + 5
