@@ -12,7 +12,6 @@ from swarm.net.round_memory import held_bytes
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import (
-    SWARM_SETTINGS,
     p2p_sockets,
     reap,
     remove_stale_p2p_sockets,
@@ -110,12 +109,12 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
 
     sockets_before = p2p_sockets()
     runs = [tmp_path / f"p{i}" for i in range(3)]
-    args = ["--config", str(tiny_config), "--max-steps", "100000", *SWARM_SETTINGS]
-    args += ["--set", "train.checkpoint_every=25"]
 
     def start(i, minutes, *extra):
-        run = ["--initial-peers", bootstrap_peer, "--run-dir", str(runs[i]), "--max-minutes", str(minutes)]
-        return start_peer([*args, *run, *extra], tmp_path / f"p{i}.err")
+        extra = ["--max-minutes", str(minutes), "--set", "train.checkpoint_every=25", *extra]
+        return start_peer(
+            swarm_peer_args(tiny_config, bootstrap_peer, runs[i], *extra), tmp_path / f"p{i}.err"
+        )
 
     def last_step(i):
         return max((r["step"] for r in read_metrics(runs[i] / "metrics.jsonl") if "loss" in r), default=0)

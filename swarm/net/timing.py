@@ -44,7 +44,7 @@ class Timing:
     @property
     def final_window_s(self) -> float:
         """Peers reach the final agreement up to a round apart (a late one may still have been in a round)."""
-        return self.round_s + self.matchmaking_s + 2 * self.final_agreement_s
+        return self.final_wait_s + 2 * self.final_agreement_s
 
     @property
     def final_wait_s(self) -> float:
