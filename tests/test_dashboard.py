@@ -419,8 +419,10 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(base)
+            # a function, not an expression: an expression string is eval'ed in the page, which its CSP forbids
             page.wait_for_function(
-                "document.querySelectorAll('#peers tbody tr[data-status=online]').length === 2", timeout=20000
+                "() => document.querySelectorAll('#peers tbody tr[data-status=online]').length === 2",
+                timeout=20000,
             )
             shown = page.evaluate(
                 """() => Object.fromEntries([...document.querySelectorAll('#peers tbody tr[data-peer]')]
