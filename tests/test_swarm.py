@@ -136,7 +136,10 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         at_kill = [last_step(i) for i in (0, 1)]
         killed_step = load_checkpoint(latest_checkpoint(runs[2] / "checkpoints")).step
         time.sleep(1)  # its orphaned children (DHT, p2pd, averagers) died with the group
-        back = start(2, 0.3, "--resume")  # it comes back from its checkpoint and rejoins
+        # it comes back from its checkpoint and rejoins, and trains until it is interrupted below (a peer that
+        # stopped on its own soon after could see no round: on a loaded machine, its few sync points can all
+        # fall while the others are still in rounds of their own, or in their last round)
+        back = start(2, 3, "--resume")
         # the survivors do not stall on the dead peer: their rounds go on averaging the dense weights (peer 1
         # shows it; peer 0 may be near its end by now, on a loaded machine)
         wait_until(
@@ -152,6 +155,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         # Ctrl+C of a peer in the middle of training: it checkpoints where it is and leaves within a round
         # timeout (30 s) + 15 s, whatever its round was doing
         os.killpg(procs[1].pid, signal.SIGINT)
+        os.killpg(back.pid, signal.SIGINT)
         interrupted = time.monotonic()
         assert procs[1].wait(timeout=60) == 130
         assert time.monotonic() - interrupted < 30 + 15
@@ -161,7 +165,7 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         saved = load_checkpoint(latest_checkpoint(runs[1] / "checkpoints")).step
         assert f"interrupted at step {saved}:" in (tmp_path / "p1.err").read_text()
         assert recorded <= saved <= recorded + 1, (recorded, saved)
-        assert back.wait(timeout=180) == 0, (tmp_path / "p2.err").read_text()[-3000:]
+        assert back.wait(timeout=60) == 130, (tmp_path / "p2.err").read_text()[-3000:]
         assert procs[0].wait(timeout=180) == 0, (tmp_path / "p0.err").read_text()[-3000:]
         for i in (0, 1):
             assert last_step(i) >= at_kill[i] + 50  # at least one more sync interval
