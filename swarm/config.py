@@ -204,6 +204,11 @@ class SyncConfig:
     join_settle_s: float = 3.0  # a joiner waits this long for simultaneous joiners before claiming experts
     orphan_grace_s: float = 60.0  # an expert with no live holder this long is re-claimed
     max_rel_distance: float = 4.0  # reject a received tensor farther than this x the norm of ours (garbage)
+    # how averaged tensors travel (swarm.sync.codecs): fp32, fp16 or int8 (blockwise absmax). A lossy codec
+    # sends the change since the last agreed state, plus what it dropped last round (error feedback)
+    codec: Literal["fp32", "fp16", "int8"] = "fp32"
+    error_feedback: bool = True
+    refresh_every: int = 1  # non-local experts' copies are downloaded every this many rounds
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
@@ -212,6 +217,7 @@ class SyncConfig:
         _check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")
         _check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
         _check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
+        _check(self.refresh_every >= 1, "sync.refresh_every", "must be >= 1")
         _check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
         for name in (
             "matchmaking_s",

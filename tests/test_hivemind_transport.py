@@ -16,6 +16,7 @@ from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import await_digests, digest, digests_agree, publish_digest
 from swarm.net.timing import Timing
+from swarm.sync.codecs import codec_named
 
 pytestmark = pytest.mark.timeout(180)
 TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
@@ -79,6 +80,34 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
             if p.is_alive():
                 p.kill()
         boot.shutdown()
+
+
+def test_an_int8_group_averages_within_the_codecs_error_and_small_tensors_exactly():
+    dht1 = start_dht()
+    dht2 = start_dht(visible_maddrs(dht1))
+    codec, groups = codec_named("int8"), []
+    try:
+        sent = [[torch.randn(4096, generator=torch.Generator().manual_seed(i)), torch.tensor([1.0 + i, 0.3])]
+                for i in range(2)]  # fmt: skip
+        for dht in (dht1, dht2):
+            groups.append(HivemindTransport(dht, TIMING, codec).open("t_int8", sent[0]))
+        handles = [g.start(iter(ts), {}, matchmaking_s=10) for g, ts in zip(groups, sent, strict=True)]
+        outcomes = [g.outcome(h, timeout=40) for g, h in zip(groups, handles, strict=True)]
+        mean = [(a + b) / 2 for a, b in zip(*sent, strict=True)]
+        step = max(t.abs().max().item() for t in (sent[0][0], sent[1][0])) / 127
+        errors = []
+        for out in outcomes:
+            assert out.ok, out.reason
+            errors.append((out.tensors[0] - mean[0]).abs().max().item())
+            assert out.tensors[1].tolist() == mean[1].tolist()  # the weights travel exactly
+        # each member keeps the mean it reduced itself and gets the rest back encoded: within about two
+        # steps (its own part and the difference to the mean each rounded once), and not exact
+        assert step / 100 < max(errors) <= 2 * step, (errors, step)
+    finally:
+        for g in groups:
+            g.close()
+        dht2.shutdown()
+        dht1.shutdown()
 
 
 def test_digests_tolerate_rounding_but_not_untouched_parts():

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from swarm.config import SyncConfig
-from swarm.net.expert_download import ExpertDownloads, ExpertServer
+from swarm.net.expert_download import ExpertDownloads
+from swarm.net.expert_server import ExpertServer
 from swarm.net.group_layout import DENSE, OpenGroups, expert_item, layout
 from swarm.net.local_transport import Fault, LocalNetwork
 from swarm.net.membership import MembershipView
 from swarm.net.records import Heartbeat
 from swarm.net.round import RoundContext, RoundPlan, run_round
 from swarm.net.timing import Timing
+from swarm.sync.codecs import codec_named
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,24 +34,20 @@ class Swarm:
     """Peers on one ``LocalNetwork``, each with its own dense weights and copies of every expert."""
 
     def __init__(self, experts: dict[str, list[int]], faults=(), sync: SyncConfig | None = None):
-        self.net = LocalNetwork(matchmaking_s=TIMING.matchmaking_s, faults=faults)
         self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0)
+        codec = codec_named(self.sync.codec)
+        self.net = LocalNetwork(matchmaking_s=TIMING.matchmaking_s, faults=faults, codec=codec)
         self.ctx, self.dense, self.copies = {}, {}, {}
         for i, me in enumerate(experts):
             transport = self.net.transport(me)
-            server = ExpertServer(transport.open_server("t_experts"))
-            downloads = ExpertDownloads(transport, "t_experts", TIMING.download_s, 4.0)
-            self.ctx[me] = RoundContext(
-                "t",
-                me,
-                self.net.store(me),
-                TIMING,
-                self.sync,
-                N_EXPERTS,
-                OpenGroups(transport),
-                server,
-                downloads,
+            deltas = None if codec.lossless else transport.open_server("t_expert_deltas", codec)
+            server = ExpertServer(transport.open_server("t_experts"), deltas, codec)
+            downloads = ExpertDownloads(
+                transport, "t_experts", TIMING.download_s, 4.0, deltas and (deltas.name, codec)
             )
+            self.ctx[me] = RoundContext(
+                "t", me, self.net.store(me), TIMING, self.sync, N_EXPERTS, OpenGroups(transport), server, downloads
+            )  # fmt: skip
             self.dense[me] = [torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + i))]
             self.copies[me] = {e: _expert(1000 * i + e) for e in range(N_EXPERTS)}
         holders = {e: frozenset(p for p, ex in experts.items() if e in ex) for e in range(N_EXPERTS)}
@@ -176,3 +174,113 @@ def test_a_holder_serving_some_of_our_own_experts_too_still_serves_the_rest():
     results = swarm.round({p: swarm.plan(p) for p in peers})
     assert sorted(results["a"].downloads) == [2, 3]  # b serves 1 and 2; we hold 1
     assert results["a"].record.download_failures == []
+
+
+def _errors(results, want, peers):
+    """(max error of any member's dense result, max error of the members' mean result, max spread)"""
+    got = [torch.stack([results[p].dense[1][i] for p in peers]) for i in range(len(want))]
+    worst = max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
+    of_mean = max((g.mean(0) - w).abs().max().item() for g, w in zip(got, want, strict=True))
+    spread = max((g.amax(0) - g.amin(0)).max().item() for g in got)
+    return worst, of_mean, spread
+
+
+def test_compressed_rounds_send_deltas_and_reach_the_weighted_mean_within_the_codec_error():
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+    swarm = Swarm(peers, sync=SyncConfig(codec="int8", error_feedback=False))  # see test_round_payload
+    for i, p in enumerate(peers):  # tensors large enough to be encoded (the smallest travel exactly)
+        g = torch.Generator().manual_seed(i)
+        swarm.dense[p] = [torch.randn(40, 50, generator=g)]
+        swarm.copies[p] = {e: [torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)] * 2
+                           for e in range(N_EXPERTS)}  # fmt: skip
+    weights = {
+        p: {DENSE: 1.0 + i, **{expert_item(e): 2.0 - i / 4 for e in peers[p]}} for i, p in enumerate(peers)
+    }
+    # no common reference yet: the weights themselves travel, within int8's error of the weighted mean
+    first = swarm.round({p: swarm.plan(p, index=1, weights=weights[p]) for p in peers})
+    want = _weighted_mean([(weights[p][DENSE], swarm.dense[p]) for p in peers])
+    step = max(t.abs().max().item() for p in peers for t in swarm.dense[p]) / 127
+    assert all(first[p].record.rejected == [] for p in peers), {p: first[p].record for p in peers}
+    worst, _, spread = _errors(first, want, list(peers))
+    assert 0 < worst <= 2 * step and spread <= 2 * step
+    assert all(swarm.ctx[p].payloads.reference_id(swarm.plan(p).groups[0][0]) for p in peers)
+    # each peer trains a little from the agreed state: now only the change travels
+    for i, p in enumerate(peers):
+        swarm.dense[p] = [t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
+                          for t in first[p].dense[1]]  # fmt: skip
+        for e in peers[p]:
+            swarm.copies[p][e] = [t + 0.01 for t in first[p].experts[e][1]]
+    second = swarm.round({p: swarm.plan(p, index=2, weights=weights[p]) for p in peers})
+    assert all(second[p].record.rejected == [] for p in peers), {p: second[p].record for p in peers}
+    want = _weighted_mean([(weights[p][DENSE], swarm.dense[p]) for p in peers])
+    # each member's result is its reference (its last result) plus the weighted mean change, encoded: the
+    # small differences the weights' round left between members stay as they were, and grow no larger
+    change = _weighted_mean([(weights[p][DENSE], [swarm.dense[p][0] - first[p].dense[1][0]]) for p in peers])
+    delta_step = max((swarm.dense[p][0] - first[p].dense[1][0]).abs().max().item() for p in peers) / 127
+    for p in peers:
+        got = second[p].dense[1][0] - first[p].dense[1][0]
+        assert (got - change[0]).abs().max() <= 2 * delta_step, p
+    worst2, _, spread2 = _errors(second, want, list(peers))
+    assert worst2 <= worst + 2 * delta_step and spread2 <= spread + 2 * delta_step, (worst2, spread2)
+    for e, holders in ((0, "ab"), (3, "cd")):
+        want = _weighted_mean([(weights[p][expert_item(e)], swarm.copies[p][e]) for p in holders])
+        for p in holders:
+            for got, w in zip(second[p].experts[e][1], want, strict=True):
+                assert torch.allclose(got, w, atol=2 * step)
+
+
+def test_members_with_different_references_drop_the_round_and_then_agree_on_a_new_one():
+    peers = {"a": [0], "b": [1]}
+    swarm = Swarm(peers, sync=SyncConfig(codec="int8"))
+    results = swarm.round({p: swarm.plan(p, index=1) for p in peers})
+    assert all(results[p].dense for p in peers)
+    swarm.ctx["b"].payloads.forget("t_dense")  # as after a restart, or a round b missed
+    results = swarm.round({p: swarm.plan(p, index=2) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("different references" in r for r in results[p].record.rejected), results[p].record
+    for index in (3, 4):  # weights against no reference, then deltas again
+        results = swarm.round({p: swarm.plan(p, index=index) for p in peers})
+        assert all(results[p].record.rejected == [] and results[p].dense for p in peers), {
+            p: (results[p].record.rejected, index) for p in peers
+        }
+    assert swarm.ctx["a"].payloads.reference_id(swarm.plan("a").groups[0][0])
+
+
+def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
+    peers = {"a": [0, 1], "b": [2, 3]}
+    swarm = Swarm(peers, sync=SyncConfig(codec="int8"))
+    for p in peers:  # large enough to be encoded, and fp16 values like copies that came off the wire
+        g = torch.Generator().manual_seed(ord(p))
+        swarm.copies[p] = {e: [torch.randn(64, 32, generator=g).half().float()] * 2 for e in range(N_EXPERTS)}
+    first = swarm.round({p: swarm.plan(p, index=1) for p in peers})
+    for p in peers:
+        for e, ts in first[p].downloads.items():  # the training thread applies what came
+            swarm.copies[p][e] = [t.float() for t in ts]
+    assert sorted(first["a"].downloads) == [2, 3]
+    whole = [f for f in swarm.net.fetched if f[:3] == ("a", "b", "t_experts")]
+    # b trains its experts: a gets b's change against the copy a holds, encoded, and rebuilds b's new copy
+    for e in peers["b"]:
+        swarm.copies["b"][e] = [t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(e))
+                                for t in swarm.copies["b"][e]]  # fmt: skip
+    second = swarm.round({p: swarm.plan(p, index=2) for p in peers})
+    assert second["a"].record.download_failures == [] and sorted(second["a"].downloads) == [2, 3]
+    assert [f for f in swarm.net.fetched if f[:3] == ("a", "b", "t_experts")] == whole  # no whole copy again
+    assert any(f[:3] == ("a", "b", "t_expert_deltas") and f[3] > 0 for f in swarm.net.fetched)
+    # int8 changes instead of fp16 copies: about half the bytes for the downloads
+    got_first = first["a"].record.bytes_recv - first["a"].record.bytes_sent
+    got_second = second["a"].record.bytes_recv - second["a"].record.bytes_sent
+    assert 0.45 * got_first < got_second < 0.6 * got_first, (got_first, got_second)
+    for e in peers["b"]:
+        for got, want in zip(second["a"].downloads[e], swarm.copies["b"][e], strict=True):
+            change_step = 0.05 / 127  # |change| stays below 0.05 here
+            assert got.dtype == torch.float16 and (got.float() - want).abs().max() <= change_step + 1e-3
+    # a copy that is not the one the change was made against gets a whole copy instead
+    swarm.copies["a"][2] = [t + 1.0 for t in swarm.copies["a"][2]]
+    third = swarm.round({p: swarm.plan(p, index=3) for p in peers})
+    assert sorted(third["a"].downloads) == [2, 3]
+    assert len([f for f in swarm.net.fetched if f[:3] == ("a", "b", "t_experts")]) > len(whole)
+    # a holder that serves malformed metadata (copies and changes) gives nothing, and crashes nobody
+    swarm.net.faults = [Fault("garble", peer="b")]
+    results = swarm.round({p: swarm.plan(p, index=4) for p in peers})
+    assert results["a"].downloads == {} and results["a"].record.download_failures

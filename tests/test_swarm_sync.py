@@ -1,6 +1,7 @@
 """``SwarmSync`` end to end in one process: real models, the round thread, the last round and the final
 agreement, on the in-memory network (no sockets; seconds)."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from swarm.net.membership import Membership
 from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.swarm_sync import SwarmSync
 from swarm.net.timing import Timing
+from swarm.sync.codecs import codec_named
 from swarm.train.sync_hook import StepReport
 
 pytestmark = pytest.mark.timeout(90)
@@ -27,8 +29,8 @@ SYNC = SyncConfig(
 )
 
 
-def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int):
-    cfg = RunConfig(run_id="t", model=MODEL, sync=SYNC)
+def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int, sync: SyncConfig = SYNC):
+    cfg = RunConfig(run_id="t", model=MODEL, sync=sync)
     model = MoETransformer(MODEL, experts)
     model.init_weights(seed)
     timing = Timing.from_config(SYNC)
@@ -99,6 +101,29 @@ def test_replicas_agree_after_the_last_round(r):
     # a fixed handful of groups per peer, whatever the number of local experts: dense, one per holder set
     # of its experts, and the server of its expert copies
     assert all(len(set(sync.transport.opened)) == 3 for _, sync in peers.values())
+
+
+def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_round():
+    sync = dataclasses.replace(SYNC, codec="int8")
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
+    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+    peers = {me: _peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
+    out = _run(peers)
+    for me in experts:
+        started = [rec for rec in out[me] if rec.started]
+        assert sum(rec.clean for rec in started) >= 2, [(rec.step, rec.rejected) for rec in started]
+        assert started[-1].last and started[-1].final_unsettled == []
+        # after the first round, what travels is the change since the agreed result
+        assert peers[me][1].ctx.payloads.reference_id(GroupSpec("t_dense", (DENSE,)))
+    # members end a lossy round a codec's error apart: the final agreement gives every peer one copy
+    ref = dense_tensors(peers["a"][0])
+    for me in "bcd":
+        assert all(torch.equal(x, y) for x, y in zip(dense_tensors(peers[me][0]), ref, strict=True)), me
+    for e in range(4):
+        want = expert_tensors(peers["a" if e < 2 else "c"][0], e)
+        for me in experts:
+            for got, w in zip(expert_tensors(peers[me][0], e), want, strict=True):
+                assert torch.allclose(got, w, atol=2e-3 * max(1.0, w.abs().max().item())), (e, me)
 
 
 def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():

@@ -9,19 +9,24 @@ first could not give. In an ordinary round a holder still in the same round is a
 deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
 round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
 the tensor checks against ours, and stays fp16 as it travelled.
+
+With a lossy codec (``deltas_name``: the holders' ``ExpertServer`` serves changes), an expert whose copy came
+from a holder is refreshed from that holder's change against it, encoded by the codec, when the change
+fits our copy exactly (by hash; the result is checked by hash too); anything else is a whole copy.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from swarm.net.group_layout import expert_item, item_expert, served_items
-from swarm.net.transport import Group, GroupTransport, Served
+from swarm.net.expert_server import copy_hash
+from swarm.net.group_layout import expert_item, served_items
+from swarm.net.transport import GroupTransport, Served
 from swarm.sync import RejectedTensor, check_tensors
+from swarm.sync.codecs import Codec
 
 RETRY_S = 0.5
 MAX_EMPTY_ANSWERS = 5  # a holder serves nothing until its first round; an ordinary round gives up
@@ -31,10 +36,18 @@ class ExpertDownloads:
     """See the module docstring."""
 
     def __init__(
-        self, transport: GroupTransport, server_name: str, download_s: float, max_rel_distance: float
+        self,
+        transport: GroupTransport,
+        server_name: str,
+        download_s: float,
+        max_rel_distance: float,
+        changes: tuple[str, Codec] | None = None,
     ) -> None:
         self.transport, self.server_name = transport, server_name
+        self.deltas_name, self.codec = changes if changes else (None, None)
         self.download_s, self.max_rel_distance = download_s, max_rel_distance
+        self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
+        self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
 
     def fetch(
         self,
@@ -49,6 +62,7 @@ class ExpertDownloads:
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
+        self.received = 0
         ranked = {e: sorted(hs, key=lambda h: -h[1])[:2] for e, hs in holders.items() if hs}
         for attempt in range(2):
             by_peer: dict[tuple[str, int], list[int]] = {}
@@ -56,24 +70,62 @@ class ExpertDownloads:
                 if e not in got and attempt < len(hs):
                     by_peer.setdefault(hs[attempt], []).append(e)
             for (peer, peer_step), wanted in by_peer.items():
+                if self.deltas_name and not final:  # the changes since our copy, where they fit it
+                    fits = [e for e in wanted if self._source.get(e) == peer]
+                    changed = self._changes(peer, peer_step, fits, mine, step, deadline) if fits else {}
+                    self._accept(peer, changed, mine, got, rejected)
+                    wanted = [e for e in wanted if e not in got]
+                    if not wanted:
+                        continue
                 served = self._fresh(peer, peer_step, wanted, step, final, deadline, failures)
                 if served is None:
                     continue
                 items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
+                copies = {}
                 for e in wanted:
                     tensors = items.get(expert_item(e))
                     if tensors is None:
                         failures.append(f"expert{e} from {peer[-8:]}: not served")
                         continue
                     # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
-                    tensors = [t.half() if t.dtype == torch.float32 else t for t in tensors]
-                    try:
-                        check_tensors(f"expert{e}", tensors, mine[e], self.max_rel_distance)
-                    except RejectedTensor as err:
-                        rejected.append(str(err))
-                        continue
-                    got[e] = tensors
+                    copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
+                self._accept(peer, copies, mine, got, rejected)
         return got, rejected, failures
+
+    def _accept(self, peer: str, copies: Mapping[int, list[torch.Tensor]], mine, got, rejected) -> None:
+        for e, tensors in copies.items():
+            try:
+                check_tensors(f"expert{e}", tensors, mine[e], self.max_rel_distance)
+            except RejectedTensor as err:
+                rejected.append(str(err))
+                continue
+            got[e], self._source[e] = tensors, peer
+
+    def _changes(
+        self, peer: str, peer_step: int, wanted: list[int], mine, step: int, deadline: float
+    ) -> dict[int, list[torch.Tensor]]:
+        """The holder's new copies of ``wanted``, rebuilt from its changes against the copies we hold: only
+        where its base is exactly our copy, and the result exactly its new copy (both by hash)."""
+        served = self._fresh(peer, peer_step, wanted, step, False, deadline, [], self.deltas_name, 1)
+        if served is None:
+            return {}
+        meta = served.meta
+        items = served_items(meta, served.tensors, len(mine[wanted[0]]))
+        names, bases, hashes = meta.get("items"), meta.get("base"), meta.get("hash")
+        if not all(isinstance(v, list) for v in (names, bases, hashes)) or not (
+            len(bases) == len(hashes) == len(names)
+        ):
+            return {}  # a holder's metadata may be anything
+        out = {}
+        for e in wanted:
+            k = names.index(expert_item(e)) if expert_item(e) in names else None
+            if k is None or expert_item(e) not in items or copy_hash(mine[e]) != bases[k]:
+                continue
+            base = [t.detach().to("cpu", torch.float16) for t in mine[e]]
+            new = [(b.float() + c.float()).half() for b, c in zip(base, items[expert_item(e)], strict=True)]
+            if copy_hash(new) == hashes[k]:
+                out[e] = new
+        return out
 
     def _fresh(
         self,
@@ -84,6 +136,8 @@ class ExpertDownloads:
         final: bool,
         deadline: float,
         failures: list[str],
+        name: str | None = None,
+        patience: int = MAX_EMPTY_ANSWERS,
     ) -> Served | None:
         empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
         while True:
@@ -92,7 +146,13 @@ class ExpertDownloads:
                 if latest is None:
                     failures.append(f"{label}: no fresh copy before the deadline")
                 return latest  # the newest copy it saw, if it never got a final one
-            served = self.transport.fetch(peer, self.server_name, timeout=min(left, self.download_s))
+            served = self.transport.fetch(peer, name or self.server_name, timeout=min(left, self.download_s))
+            if served is not None:  # every answer counts: what a holder serves comes whole
+                encoded = name is not None and name == self.deltas_name
+                self.received += sum(
+                    self.codec.wire_bytes(t.numel()) if encoded else t.numel() * t.element_size()
+                    for t in served.tensors
+                )
             if served is None:
                 failures.append(f"{label}: no answer")
                 return latest
@@ -101,7 +161,7 @@ class ExpertDownloads:
                 # not serving these (yet): ask again shortly (for a final copy until the deadline: that copy
                 # is the one every peer must end with)
                 empty_answers += 1
-                if empty_answers >= MAX_EMPTY_ANSWERS and not final:
+                if empty_answers >= patience and not final:
                     failures.append(f"{label}: not served (meta {str(served.meta)[:60]})")
                     return None
                 time.sleep(RETRY_S)
@@ -127,39 +187,3 @@ def served_steps(meta: Mapping) -> dict[str, tuple[int, bool]]:
         for i, s, f in zip(items, steps, final, strict=True)
         if isinstance(i, str) and isinstance(s, int) and not isinstance(s, bool)
     }
-
-
-class ExpertServer:
-    """What this peer serves to downloaders under one name: an fp16 copy of each local expert, with the
-    step it is from and whether it is final (settled after the last round). Copies are replaced whole (a
-    download never sees half of an update).
-
-        server = ExpertServer(transport.open_server(f"{run}_experts"))
-        server.update({"expert3": tensors}, step=100, final=False)
-        server.keep(["expert3", "expert5"])    # after an expert switch
-    """
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self._copies: dict[str, tuple[list[torch.Tensor], int, bool]] = {}
-        self._lock = threading.Lock()  # the round thread updates, the training thread keeps
-
-    def update(self, items: Mapping[str, Sequence[torch.Tensor]], step: int, final: bool) -> None:
-        fp16 = {i: [t.detach().to("cpu", torch.float16, copy=True) for t in ts] for i, ts in items.items()}
-        with self._lock:
-            self._copies.update({i: (ts, step, final) for i, ts in fp16.items()})
-            self._publish()
-
-    def keep(self, items: Sequence[str]) -> None:
-        with self._lock:
-            self._copies = {i: c for i, c in self._copies.items() if i in items}
-            self._publish()
-
-    def _publish(self) -> None:
-        names = sorted(self._copies, key=item_expert)
-        meta = {
-            "items": names,
-            "steps": [self._copies[i][1] for i in names],
-            "final": [self._copies[i][2] for i in names],
-        }
-        self.group.serve([t for i in names for t in self._copies[i][0]], meta)

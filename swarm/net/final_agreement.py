@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.net.records import Heartbeat
-from swarm.net.round_consensus import digest, digests_agree
+from swarm.net.round_consensus import REL_TOLERANCE, digest, digests_agree
 from swarm.net.transport import Store
 from swarm.sync import RejectedTensor, check_tensors
 
@@ -45,10 +45,10 @@ def finishing_holders(peers: Mapping[str, Heartbeat], me: str, item: str) -> fro
     return frozenset(p for p in ending if e in peers[p].experts)
 
 
-def winner(copies: dict[str, list[float]]) -> str:
+def winner(copies: dict[str, list[float]], tolerance: float = REL_TOLERANCE) -> str:
     """The peer whose copy everyone adopts: largest set of agreeing digests, then smallest peer id."""
     peers = sorted(copies)
-    support = {p: sum(digests_agree(copies[p], copies[q]) for q in peers) for p in peers}
+    support = {p: sum(digests_agree(copies[p], copies[q], tolerance) for q in peers) for p in peers}
     return max(peers, key=lambda p: (support[p], [-ord(c) for c in p]))
 
 
@@ -64,13 +64,16 @@ def agree_on_final_copies(
     window: float = 60.0,
     wait: float | None = None,
     poll: float = 0.25,
+    tolerance: float = REL_TOLERANCE,
 ) -> tuple[list[str], list[str]]:
     """Returns (items whose copy we replaced with the winner's, items we could not settle and why).
     ``fetch(peer, item)`` downloads a peer's copy; ``serve(item, tensors)`` makes ours what we serve.
     ``timeout`` bounds each read and download, ``wait`` (default ``timeout``) the wait for the other
     holders' digests: a holder still in its last round publishes later, and a peer that decided without
     its digest could keep a copy that the late ones replace. A digest that never came is reported.
-    Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored."""
+    Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored.
+    ``tolerance``: how far digests of equal copies may differ (0 after a lossy codec's last round, whose
+    members end a codec's error apart: any difference is settled by a download)."""
     started = store.now()
 
     def announce(name: str, value: list[float]) -> None:
@@ -104,8 +107,8 @@ def agree_on_final_copies(
         f"{name}: no digest from {len(items[name].others - set(seen[name]))} holder(s)" for name in pending
     ]
     for name, item in items.items():
-        best = winner(seen[name])
-        if best == me or digests_agree(mine[name], seen[name][best]):
+        best = winner(seen[name], tolerance)
+        if best == me or digests_agree(mine[name], seen[name][best], tolerance):
             continue
         tensors = fetch(best, name)
         if tensors is None:

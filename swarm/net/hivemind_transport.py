@@ -1,7 +1,7 @@
 """``Store`` and ``GroupTransport`` on hivemind: records in its DHT, groups as its averagers.
 
     store = HivemindStore(dht)
-    transport = HivemindTransport(dht, timing)
+    transport = HivemindTransport(dht, timing, codec_named("int8"))  # averaging groups send int8
     group = transport.open("demo_dense", like=buffers)
 
 Every call is bounded: a DHT request that does not answer in time reads as "nothing known" (None).
@@ -16,9 +16,11 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from swarm.net.hivemind_codecs import hivemind_compression
 from swarm.net.hivemind_group import HivemindGroup, close_groups, download_state
 from swarm.net.timing import Timing
 from swarm.net.transport import Served
+from swarm.sync.codecs import CODECS, Codec
 
 DENSE_SUFFIX = "_dense"
 
@@ -68,11 +70,13 @@ class HivemindStore:
 class HivemindTransport:
     """See the module docstring."""
 
-    def __init__(self, dht: hivemind.DHT, timing: Timing) -> None:
-        self.dht, self.timing = dht, timing
+    def __init__(self, dht: hivemind.DHT, timing: Timing, codec: Codec = CODECS["fp32"]) -> None:
+        self.dht, self.timing, self.codec = dht, timing, codec
         self.me = dht.peer_id.to_base58()
 
-    def _group(self, name: str, like: Sequence[torch.Tensor] | None) -> HivemindGroup:
+    def _group(
+        self, name: str, like: Sequence[torch.Tensor] | None, serve_codec: Codec | None = None
+    ) -> HivemindGroup:
         t = self.timing
         return HivemindGroup(
             self.dht,
@@ -81,14 +85,16 @@ class HivemindTransport:
             matchmaking_time=t.matchmaking_s,
             allreduce_timeout=t.round_s,
             request_timeout=t.request_s,
+            compression=hivemind_compression(self.codec),
             serve_fp16=not name.endswith(DENSE_SUFFIX),  # the dense copy is served exactly
+            serve_compression=hivemind_compression(serve_codec) if serve_codec else None,
         )
 
     def open(self, name: str, like: Sequence[torch.Tensor]) -> HivemindGroup:
         return self._group(name, like)
 
-    def open_server(self, name: str) -> HivemindGroup:
-        return self._group(name, None)
+    def open_server(self, name: str, codec: Codec | None = None) -> HivemindGroup:
+        return self._group(name, None, codec)
 
     def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
         got = download_state(self.dht, peer, name, timeout=timeout)

@@ -113,9 +113,10 @@ def open_swarm_sync(cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, la
     from swarm.net.swarm_sync import SwarmSync
     from swarm.net.timing import Timing
     from swarm.net.traffic import TrafficMeter
+    from swarm.sync.codecs import codec_named
 
     timing = Timing.from_config(cfg.sync)
-    store, transport = HivemindStore(dht), HivemindTransport(dht, timing)
+    store, transport = HivemindStore(dht), HivemindTransport(dht, timing, codec_named(cfg.sync.codec))
     members = Membership(
         store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
         cfg.sync.orphan_grace_s,

@@ -1,11 +1,13 @@
 """An in-memory ``Store`` and ``GroupTransport`` for peers in one process, with a fault plan.
 
-    net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)])
+    net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)], codec=codec_named("int8"))
     store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window
 (from the first start, or at the scheduled time) form one group; at least two make a round. The average is
-the plain mean of what members sent. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
+the plain mean of what members sent, through the codec as hivemind's butterfly all-reduce does it: each
+member's share travels encoded to its reducer, and each member gets (mean - its own) back encoded, except in
+the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
 
 - ``drop``: the peer leaves mid-all-reduce: it fails, and the others keep their own values in the share
   that the peer was reducing (the partial result hivemind reports as success);
@@ -14,7 +16,8 @@ the plain mean of what members sent. Faults (``Fault.kind``), each at a chosen r
 - ``scale``: the peer sends its tensors times ``factor`` (a weight it did not claim);
 - ``delay``: the peer's outcome comes ``seconds`` late (past its timeout, it is abandoned);
 - ``silent``: the peer publishes no round digest (in any round: give no ``round``);
-- ``dead``: nobody can download from the peer.
+- ``dead``: nobody can download from the peer;
+- ``garble``: what the peer serves comes with malformed metadata.
 
 Following torchft's fault-injecting process group: tests of the protocol rules run in seconds, with no
 processes, sockets or sleeps on the wall clock beyond the windows they configure.
@@ -31,11 +34,12 @@ from typing import Any
 import torch
 
 from swarm.net.transport import GroupOutcome, Served
+from swarm.sync.codecs import CODECS, Codec
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # drop | partial | nan | scale | delay | silent | dead
+    kind: str  # drop | partial | nan | scale | delay | silent | dead | garble
     peer: str
     round: int | None = None  # the round index in the members' info; None: every round
     seconds: float = 0.0  # delay
@@ -52,13 +56,17 @@ class _Formation:
 class LocalNetwork:
     """The shared medium of in-process peers: one record store, group formations and served copies."""
 
-    def __init__(self, matchmaking_s: float = 0.3, faults: Sequence[Fault] = ()) -> None:
-        self.matchmaking_s, self.faults = matchmaking_s, list(faults)
+    def __init__(
+        self, matchmaking_s: float = 0.3, faults: Sequence[Fault] = (), codec: Codec = CODECS["fp32"]
+    ) -> None:
+        self.matchmaking_s, self.faults, self.codec = matchmaking_s, list(faults), codec
         self.lock = threading.Lock()
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[str, _Formation] = {}
         self.served: dict[tuple[str, str], Served] = {}
         self.closed_groups: list[str] = []
+        self.server_codecs: dict[str, Codec | None] = {}
+        self.fetched: list[tuple[str, str, str, int]] = []  # (who, from whom, name, values served)
 
     def store(self, me: str) -> LocalStore:
         return LocalStore(self, me)
@@ -92,12 +100,16 @@ class LocalNetwork:
                 form.results = {m: GroupOutcome(False, "no group formed") for m in members}
                 return
             sent = {m: self._sent(m, *form.sent[m]) for m in members}
-            mean = [torch.stack(ts).mean(0) for ts in zip(*sent.values(), strict=True)]
+            received = [[self.codec.roundtrip(t) for t in ts] for ts in sent.values()]
+            mean = [torch.stack(ts).mean(0) for ts in zip(*received, strict=True)]
             infos = {m: form.sent[m][1] for m in members}
             form.results = {}
             dropped = [m for m in members if self.fault("drop", m, infos[m])]
-            for m in members:
+            for k, m in enumerate(members):
                 result = [t.clone() for t in mean]
+                if not self.codec.lossless:  # what comes back is encoded, but for the share it reduced
+                    result = [o + self.codec.roundtrip(a - o) for a, o in zip(mean, sent[m], strict=True)]
+                    _keep_share(result, mean, k, len(members))
                 if m in dropped:
                     form.results[m] = GroupOutcome(False, "left during the all-reduce")
                     continue
@@ -158,13 +170,16 @@ class LocalStore:
 class LocalGroup:
     """A ``Group`` of one peer on a ``LocalNetwork``."""
 
-    def __init__(self, net: LocalNetwork, me: str, name: str, serves_only: bool) -> None:
-        self.net, self.me, self.name, self.serves_only = net, me, name, serves_only
+    def __init__(
+        self, net: LocalNetwork, me: str, name: str, serves_only: bool, codec: Codec | None = None
+    ) -> None:
+        self.net, self.me, self.name, self.serves_only, self.codec = net, me, name, serves_only, codec
         self.closed = False
 
     def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
         with self.net.lock:
-            self.net.served[(self.me, self.name)] = Served(dict(meta), [t.clone() for t in tensors])
+            served = [t.clone() if self.codec is None else self.codec.roundtrip(t) for t in tensors]
+            self.net.served[(self.me, self.name)] = Served(dict(meta), served)  # as they will arrive
 
     def start(
         self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None
@@ -201,18 +216,25 @@ class LocalTransport:
         self.opened.append(name)
         return LocalGroup(self.net, self.me, name, serves_only=False)
 
-    def open_server(self, name: str) -> LocalGroup:
+    def open_server(self, name: str, codec: Codec | None = None) -> LocalGroup:
         self.opened.append(name)
-        return LocalGroup(self.net, self.me, name, serves_only=True)
+        self.net.server_codecs[name] = codec
+        return LocalGroup(self.net, self.me, name, serves_only=True, codec=codec)
 
     def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
         if self.net.fault("dead", peer):
             return None
         with self.net.lock:
             served = self.net.served.get((peer, name))
+            self.net.fetched.append(
+                (self.me, peer, name, sum(t.numel() for t in served.tensors) if served else 0)
+            )
         if served is None:
             return Served({}, [])  # it answers, but serves nothing (yet)
-        half = not name.endswith("_dense")  # like hivemind's transport: expert copies travel as fp16
+        if self.net.fault("garble", peer):
+            return Served({"items": "expert0", "steps": [0], "base": 5, "hash": None}, list(served.tensors))
+        # like hivemind's transport: expert copies travel as fp16, or with the server's codec
+        half = not name.endswith("_dense") and self.net.server_codecs.get(name) is None
         return Served(dict(served.meta), [t.half() if half else t.clone() for t in served.tensors])
 
     def close_groups(self, groups: Sequence[LocalGroup]) -> None:

@@ -19,26 +19,30 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from swarm.config import SyncConfig
-from swarm.net.expert_download import ExpertDownloads, ExpertServer
+from swarm.config import RunConfig, SyncConfig
+from swarm.net.expert_download import ExpertDownloads
+from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import host_float, nbytes, per_layer
-from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, unpack
+from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack
 from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import await_digests, digest, group_key, publish_digest
+from swarm.net.round_payload import Payloads, SentPayload
 from swarm.net.timing import Timing
-from swarm.net.transport import Group, GroupOutcome, Store
+from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
 from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
+from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
 
 # weights are tokens in units of one sync interval's batches: a peer cannot plausibly report more than this
 MAX_WEIGHT = 100.0
 WEIGHT_TOLERANCE = 1e-4
+MAX_REFERENCE = 128
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,16 @@ class RoundInfo:
     round: int
     last: bool
     weights: tuple[float, ...]  # per item of the group, in order
+    reference: str = ""  # the agreed state our deltas are against ("": we send weights; round_payload)
 
     def to_msg(self) -> dict[str, Any]:
-        return {"step": self.step, "round": self.round, "last": self.last, "weights": list(self.weights)}
+        return {
+            "step": self.step,
+            "round": self.round,
+            "last": self.last,
+            "weights": list(self.weights),
+            "ref": self.reference,
+        }
 
     @classmethod
     def from_msg(cls, value: Any, n_items: int) -> RoundInfo | None:
@@ -59,14 +70,17 @@ class RoundInfo:
         if not isinstance(value, dict):
             return None
         step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
+        reference = value.get("ref", "")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
+            return None
+        if not isinstance(reference, str) or len(reference) > MAX_REFERENCE:
             return None
         if not isinstance(last, bool) or not isinstance(weights, list) or len(weights) != n_items:
             return None
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
-        return cls(step, index, last, tuple(float(w) for w in weights))
+        return cls(step, index, last, tuple(float(w) for w in weights), reference)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,26 @@ class RoundContext:
     groups: OpenGroups  # opened on the main thread: hivemind sets signal handlers when it starts one
     server: ExpertServer
     downloads: ExpertDownloads
+    payloads: Payloads | None = None  # None: built from ``sync`` (the codec and its error feedback)
+
+    def __post_init__(self) -> None:
+        if self.payloads is None:
+            payloads = Payloads(codec_named(self.sync.codec), self.sync.error_feedback)
+            object.__setattr__(self, "payloads", payloads)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, store: Store, transport: GroupTransport, timing: Timing) -> RoundContext:
+        """A peer's: its expert server (and, with a lossy codec, the server of its experts' changes), its
+        downloads, groups and payloads."""
+        codec, name = codec_named(cfg.sync.codec), f"{cfg.run_id}_experts"
+        deltas = None if codec.lossless else transport.open_server(f"{cfg.run_id}_expert_deltas", codec)
+        server = ExpertServer(transport.open_server(name), deltas, codec)
+        changes = (deltas.name, codec) if deltas else None
+        downloads = ExpertDownloads(transport, name, timing.download_s, cfg.sync.max_rel_distance, changes)
+        return cls(
+            cfg.run_id, transport.me, store, timing, cfg.sync, cfg.model.n_experts, OpenGroups(transport),
+            server, downloads, Payloads(codec, cfg.sync.error_feedback),
+        )  # fmt: skip
 
 
 def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> RoundResult:
@@ -126,45 +160,50 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
+    ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     started = []
     for spec, group in plan.groups:
         if plan.alone and spec.items == (DENSE,):
             started.append((spec, group, None))
             continue
         weights = {item: plan.weights[item] for item in spec.items}
-        info = RoundInfo(plan.step, plan.index, plan.last, tuple(weights[i] for i in spec.items))
         try:
+            payload = ctx.payloads.encode(spec, local, weights)
+            ws = tuple(weights[i] for i in spec.items)
+            info = RoundInfo(plan.step, plan.index, plan.last, ws, payload.reference)
             mm = wait + timing.ordinary_matchmaking_s
-            handle = group.start(pack(spec, local, weights), info.to_msg(), mm, plan.scheduled)
+            handle = group.start(payload.tensors, info.to_msg(), mm, plan.scheduled)
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             rec.rejected.append(f"{_label(spec)}: {type(e).__name__}: {e}"[:200])
             started.append((spec, None, None))
             continue
-        started.append((spec, group, handle))
+        started.append((spec, group, (handle, payload)))
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this
     # one waiting (a group's digests would otherwise arrive one group's wait apart)
     checked = []
-    for spec, group, handle in started:
-        outcome = GroupOutcome(False, "not started")
-        if handle is not None:
+    for spec, group, started_as in started:
+        outcome, payload = GroupOutcome(False, "not started"), None
+        if started_as is not None:
+            handle, payload = started_as
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
-        size, why, published = _checked(spec, outcome, plan, ctx, local, deadline)
-        checked.append((spec, group, handle is not None, outcome, size, why, published))
-    sent = 0
+        size, why, published = _checked(spec, outcome, plan, ctx, local, payload, deadline)
+        checked.append((spec, group, payload, outcome, size, why, published))
+    sent, codec = 0, ctx.payloads.codec
     averaged: dict[str, list[torch.Tensor]] = {}
-    for spec, group, was_started, outcome, size, why, published in checked:
-        got = None
+    for spec, group, payload, outcome, size, why, published in checked:
+        got, was_started = None, payload is not None
         if published is not None:
-            got, why = _confirmed(spec, outcome, ctx, local, published, deadline)
+            got, why = _confirmed(spec, outcome, ctx, local, payload, published, deadline)
         if got is None:
             if was_started:  # one that could not start said why already; a lone dense group only serves
                 rec.rejected.append(f"{_label(spec)}: {why}")
         else:
             averaged |= got
             # butterfly all-reduce: our n-1 foreign parts out, our averaged part back from the n-1
-            sent += int(2 * nbytes(t for i in spec.items for t in local[i]) * (size - 1) / size)
+            wire = sum(codec.wire_bytes(t.numel()) for i in spec.items for t in local[i])
+            sent += int(2 * wire * (size - 1) / size)
             rec.members[_label(spec)] = sorted(p[-6:] for p in outcome.members)
         copies = {i: averaged.get(i, local[i]) for i in spec.items}  # a failed item serves its snapshot
         if spec.items == (DENSE,):
@@ -181,7 +220,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             result.experts[e] = (plan.experts[e], averaged[expert_item(e)])
 
     got: dict[int, list[torch.Tensor]] = {}
-    if not plan.last:  # after a last round, copies are fetched once the holders have settled them
+    # after a last round, copies are fetched once the holders have settled them (last_round)
+    if not plan.last and plan.index % ctx.sync.refresh_every == 0:
         holders = {
             e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
         }
@@ -191,7 +231,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     _merge(result, plan, ctx.sync, ctx.n_experts)
 
     rec.bytes_sent = sent
-    rec.bytes_recv = sent + nbytes(t for ts in got.values() for t in ts)  # downloads as they came (fp16)
+    rec.bytes_recv = sent + ctx.downloads.received  # downloads as they came (fp16 copies, encoded changes)
     held = [*plan.dense, *(t for ts in plan.experts.values() for t in ts)]  # snapshots, then results
     held += [t for pair in [result.dense, *result.experts.values()] if pair for t in pair[1]]
     rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
@@ -216,6 +256,7 @@ def _checked(
     plan: RoundPlan,
     ctx: RoundContext,
     local: Mapping[str, list[torch.Tensor]],
+    payload: SentPayload | None,
     deadline: float,
 ) -> tuple[int, str, tuple[str, list[float]] | None]:
     """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
@@ -230,6 +271,11 @@ def _checked(
         # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
         # would end holding a copy it never had (every member sees the same infos and drops it)
         return size, "a member was in another kind of round (last vs ordinary)", None
+    if any(i.reference != payload.reference for i in infos):
+        # deltas against different states average to nothing meaningful: every member drops the round and
+        # its reference, and the next round sends weights to start a common one
+        ctx.payloads.forget(spec.name)
+        return size, "members' deltas were against different references (the next round sends weights)", None
     tensors = outcome.tensors
     if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
         return size, "the averaged tensors do not match the group's items", None
@@ -250,6 +296,7 @@ def _confirmed(
     outcome: GroupOutcome,
     ctx: RoundContext,
     local: Mapping[str, list[torch.Tensor]],
+    payload: SentPayload,
     published: tuple[str, list[float]],
     deadline: float,
 ) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
@@ -258,15 +305,19 @@ def _confirmed(
     # until the round's own deadline: a member may come to this group only after waiting on another one
     timeout = max(0.5, deadline - time.monotonic())
     key, mine = published
-    ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout)
+    tolerance = ctx.payloads.codec.tolerance
+    floor = None if isinstance(payload.tensors, Iterator) else digest(payload.tensors)[0::2]
+    ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor)
     if not ok:
         return None, why
-    averages, _ = unpack(spec, outcome.tensors, {i: len(local[i]) for i in spec.items})
+    sizes = {i: len(local[i]) for i in spec.items}
+    averages, _ = ctx.payloads.decode(spec, payload, outcome.tensors, sizes)
     try:
         for item in spec.items:
             check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
     except RejectedTensor as e:
         return None, str(e)
+    ctx.payloads.commit(spec, payload, averages, key)
     return averages, ""
 
 

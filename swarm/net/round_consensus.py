@@ -52,12 +52,23 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
     return [x for pair in pairs for x in pair]
 
 
-def digests_agree(a: Sequence[float], b: Sequence[float]) -> bool:
+def digests_agree(
+    a: Sequence[float],
+    b: Sequence[float],
+    tolerance: float = REL_TOLERANCE,
+    floor: Sequence[float] | None = None,
+) -> bool:
+    """Whether two digests agree within ``tolerance`` of each segment's sum of |x|, plus ``floor`` (per
+    segment: the sums of |x| of what we sent, when members' results may differ by the codec's error of
+    mean - own, which can exceed the mean when the members' changes cancel out)."""
     if len(a) != len(b) or not all(isinstance(x, (int, float)) for x in (*a, *b)):
         return False  # another peer's digest may be anything
+    if floor is not None and len(floor) * 2 != len(a):
+        return False
     for i in range(0, len(a), 2):
-        scale = abs(a[i]) + abs(b[i]) + 1e-12  # sums of |x| bound every projection of the segment
-        if abs(a[i] - b[i]) > REL_TOLERANCE * scale or abs(a[i + 1] - b[i + 1]) > REL_TOLERANCE * scale:
+        # sums of |x| bound every projection of the segment
+        scale = abs(a[i]) + abs(b[i]) + (floor[i // 2] if floor is not None else 0.0) + 1e-12
+        if abs(a[i] - b[i]) > tolerance * scale or abs(a[i + 1] - b[i + 1]) > tolerance * scale:
             return False
     return True
 
@@ -73,9 +84,12 @@ def await_digests(
     members: Sequence[str],
     mine: list[float],
     timeout: float,
+    tolerance: float = REL_TOLERANCE,
+    floor: Sequence[float] | None = None,
     poll: float = 0.25,
 ) -> tuple[bool, str]:
-    """Wait until every other member's digest is in and agrees with ours. Returns (ok, reason)."""
+    """Wait until every other member's digest is in and agrees with ours (within the codec's
+    ``tolerance``). Returns (ok, reason)."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
     while True:
@@ -83,7 +97,7 @@ def await_digests(
         seen = {peer: value for peer, (value, _) in found.items()}
         for peer in others & set(seen):
             theirs = seen[peer]
-            if not isinstance(theirs, list) or not digests_agree(mine, theirs):
+            if not isinstance(theirs, list) or not digests_agree(mine, theirs, tolerance, floor):
                 return False, f"partial round: result differs from {peer[-8:]}"
         missing = others - set(seen)
         if not missing:

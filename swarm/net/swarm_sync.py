@@ -20,9 +20,8 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
-from swarm.net.expert_download import ExpertDownloads, ExpertServer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, side_stream, snapshot
-from swarm.net.group_layout import DENSE, OpenGroups, expert_item, layout
+from swarm.net.group_layout import DENSE, expert_item, layout
 from swarm.net.membership import Membership
 from swarm.net.round import RoundContext, RoundPlan, RoundResult, run_round
 from swarm.net.timing import Timing
@@ -50,13 +49,10 @@ class SwarmSync:
         self.transport, self.last_round_at, self.wire_meter = transport, last_round_at, wire_meter
         self.n_experts, self.device = cfg.model.n_experts, model.embed.weight.device
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
-        server = ExpertServer(transport.open_server(f"{cfg.run_id}_experts"))
-        self.ctx = RoundContext(
-            cfg.run_id, transport.me, store, self.timing, cfg.sync, self.n_experts, OpenGroups(transport),
-            server, ExpertDownloads(transport, server.group.name, self.timing.download_s,
-                                    self.sc.max_rel_distance),
-        )  # fmt: skip
-        server.update({expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False)
+        self.ctx = RoundContext.build(cfg, store, transport, self.timing)
+        self.ctx.server.update(
+            {expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False
+        )
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
         self._step_tokens, self.round_index, self.leaving = 0, 0, False
         self._results: queue.Queue[RoundResult] = queue.Queue()
@@ -197,4 +193,4 @@ class SwarmSync:
         self.members.close()
         if self._in_flight is not None:
             self._in_flight.join(timeout=min(2.0, max(0.0, self._in_flight_until - time.monotonic())))
-        self.transport.close_groups([*self.ctx.groups.take_all(), self.ctx.server.group])
+        self.transport.close_groups([*self.ctx.groups.take_all(), *self.ctx.server.groups])

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from swarm.sync.codecs import Codec
+
 
 @dataclass(frozen=True)
 class GroupOutcome:
@@ -83,8 +85,9 @@ class GroupTransport(Protocol):
 
     def open(self, name: str, like: Sequence[torch.Tensor]) -> Group: ...
 
-    def open_server(self, name: str) -> Group:
-        """A group that only serves (never averages): its served tensors may change shape."""
+    def open_server(self, name: str, codec: Codec | None = None) -> Group:
+        """A group that only serves (never averages): its served tensors may change shape. They travel as
+        fp16 (fp32 for the dense weights), or with ``codec`` when given."""
         ...
 
     def fetch(self, peer: str, name: str, timeout: float) -> Served | None:

@@ -1,0 +1,110 @@
+"""What a group sends in a round: with a lossy codec, the change since the last agreed state (the outer
+gradient) plus what the codec dropped last time; with fp32, the weights themselves.
+
+    payloads = Payloads(codec_named("int8"), error_feedback=True)
+    sent = payloads.encode(spec, local, weights)       # SentPayload: tensors for group.start, its reference id
+    averages = payloads.decode(spec, sent, averaged)   # {item: reference + mean delta}: the average of weights
+    payloads.commit(spec, sent, averages, new_id)      # once every member agreed: the next reference
+
+Each member of a group keeps the group's last agreed result as its reference. A delta is small next to the
+weights, so the codec's error is small next to the weights too; and mean(x - r) + r = mean(x) exactly when
+every member used the same r. Members name their reference in their round info: if they differ (a member
+missed a round, or joined since), the result is meaningless, every member drops it and forgets its
+reference, and the next round sends weights (against a zero reference) to start a common one.
+
+Error feedback: a member adds what the codec dropped from its last sent payload to the next one, so
+quantisation error is delayed, never lost. The residual is the exact difference between what was encoded and
+what a receiver decodes (``Codec.roundtrip`` is what the wire does), kept only once the round is applied.
+Both cost one host copy of the group's tensors each; an fp32 run keeps neither.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.net.group_layout import GroupSpec, pack, unpack
+from swarm.sync.codecs import Codec
+
+
+@dataclass(frozen=True)
+class SentPayload:
+    tensors: Iterable[torch.Tensor]  # packed (w * (x - r) per item, then the weights), compensated
+    reference: str  # the id of the reference the deltas are against; "" for plain weights
+    residuals: list[torch.Tensor] | None  # what the codec will drop from ``tensors`` (error feedback)
+
+
+class Payloads:
+    """See the module docstring. Used by the round thread; ``forget`` may come from another thread."""
+
+    def __init__(self, codec: Codec, error_feedback: bool = True) -> None:
+        self.codec, self.error_feedback = codec, error_feedback and not codec.lossless
+        self._refs: dict[str, tuple[str, dict[str, list[torch.Tensor]]]] = {}
+        self._residuals: dict[str, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def reference_id(self, spec: GroupSpec) -> str:
+        with self._lock:
+            ref = self._refs.get(spec.name)
+        return ref[0] if ref is not None and set(spec.items) <= set(ref[1]) else ""
+
+    def encode(
+        self,
+        spec: GroupSpec,
+        local: Mapping[str, Sequence[torch.Tensor]],
+        weights: Mapping[str, float],
+    ) -> SentPayload:
+        if self.codec.lossless:  # one packed tensor at a time into the group's buffers: no extra copy
+            return SentPayload(pack(spec, local, weights), "", None)
+        ref_id = self.reference_id(spec)
+        with self._lock:
+            ref = self._refs[spec.name][1] if ref_id else None
+            residual = self._residuals.get(spec.name) if ref_id else None
+        if ref is not None:
+            local = {i: [x - r for x, r in zip(local[i], ref[i], strict=True)] for i in spec.items}
+        tensors = list(pack(spec, local, weights))
+        if residual is not None and len(residual) == len(tensors) - 1:
+            tensors = [t + e for t, e in zip(tensors, residual, strict=False)] + [tensors[-1]]
+        residuals = [t - self.codec.roundtrip(t) for t in tensors[:-1]] if self.error_feedback else None
+        return SentPayload(tensors, ref_id, residuals)
+
+    def decode(
+        self, spec: GroupSpec, sent: SentPayload, averaged: list[torch.Tensor], sizes: Mapping[str, int]
+    ) -> tuple[dict[str, list[torch.Tensor]], list[float]]:
+        """({item: averaged weights}, mean weight per item) from a group's averaged packed tensors."""
+        averages, weights = unpack(spec, averaged, sizes)
+        if sent.reference:
+            with self._lock:
+                ref = self._refs[spec.name][1]
+            averages = {i: [d + r for d, r in zip(averages[i], ref[i], strict=True)] for i in spec.items}
+        return averages, weights
+
+    def commit(
+        self, spec: GroupSpec, sent: SentPayload, averages: Mapping[str, list[torch.Tensor]], agreed_id: str
+    ) -> None:
+        """The round was applied: its result is the group's next reference, and the codec's error the next
+        residual."""
+        if self.codec.lossless:
+            return
+        with self._lock:
+            self._refs[spec.name] = (agreed_id, {i: [t.clone() for t in averages[i]] for i in spec.items})
+            if sent.residuals is not None:
+                self._residuals[spec.name] = sent.residuals
+            else:
+                self._residuals.pop(spec.name, None)
+
+    def keep(self, names: Iterable[str]) -> None:
+        """Forget the state of groups no longer in the layout (their members changed, or the experts)."""
+        keep = set(names)
+        with self._lock:
+            self._refs = {n: r for n, r in self._refs.items() if n in keep}
+            self._residuals = {n: r for n, r in self._residuals.items() if n in keep}
+
+    def forget(self, name: str) -> None:
+        """Members did not share a reference, or the group closed: the next round sends weights."""
+        with self._lock:
+            self._refs.pop(name, None)
+            self._residuals.pop(name, None)

@@ -1,0 +1,94 @@
+"""How averaged tensors travel: a codec per run (``sync.codec``), as pure tensor math.
+
+    codec = codec_named("int8")
+    received = codec.roundtrip(t)        # exactly what a peer decodes from what we send
+    codec.wire_bytes(t.numel())          # bytes on the wire (block scales included)
+    codec.tolerance                      # how far members' results may differ and still agree
+
+- ``fp32``: lossless, 4 bytes a value.
+- ``fp16``: 2 bytes a value, relative error <= 2^-11 (values clamp to the fp16 range).
+- ``int8``: blockwise absmax: each block of ``BLOCK`` values travels as int8 codes plus one fp32 scale
+  (absmax / 127), 1.0625 bytes a value; the error of a value is at most half its block's scale.
+
+Tensors of at most ``EXACT_MAX`` values (the per-item weights of a group, norms' gains in tiny models)
+travel exactly whatever the codec: the round compares the weights that come back with those the members
+claimed, which a lossy weight would fail. The transport's encoder (``swarm.net.hivemind_codecs``) calls
+the same functions, so ``roundtrip`` is bit for bit what the wire does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64
+EXACT_MAX = 256
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A codec: its name, wire cost, and how far apart members' results may be after a round with it."""
+
+    name: str
+    bits: float  # per value on the wire
+    tolerance: float  # relative tolerance of the round digests (``round_consensus``)
+
+    @property
+    def lossless(self) -> bool:
+        return self.name == "fp32"
+
+    def wire_bytes(self, numel: int) -> int:
+        if numel <= EXACT_MAX:
+            return 4 * numel
+        if self.name == "int8":
+            return numel + 4 * math.ceil(numel / BLOCK)
+        return int(numel * self.bits / 8)
+
+    def roundtrip(self, t: torch.Tensor) -> torch.Tensor:
+        """What a receiver decodes (fp32) from ``t`` sent with this codec."""
+        t = t.detach().float()
+        if self.lossless or t.numel() <= EXACT_MAX:
+            return t.clone()
+        if self.name == "fp16":
+            return t.clamp(-FP16_MAX, FP16_MAX).half().float()
+        codes, scales = int8_encode(t)
+        return int8_decode(codes, scales, t.shape)
+
+
+# members of an fp32 group end with the same values up to the order of additions; a lossy codec adds the
+# error of the averaged delta each member gets back (hivemind sends each member mean - its own part, encoded)
+CODECS = {
+    "fp32": Codec("fp32", 32.0, 1e-4),
+    "fp16": Codec("fp16", 16.0, 1e-3),
+    "int8": Codec("int8", 8.0 + 32.0 / BLOCK, 2e-2),
+}
+
+
+def codec_named(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODECS)}") from None
+
+
+def int8_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes of every value, fp32 scale per block of ``BLOCK``) of a float tensor."""
+    flat = t.detach().reshape(-1).float()
+    pad = -flat.numel() % BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1)[: flat.numel()], scales
+
+
+def int8_decode(
+    codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    n = codes.numel()
+    pad = -n % BLOCK
+    blocks = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).view(-1, BLOCK)
+    return (blocks * scales[:, None]).view(-1)[:n].reshape(shape)

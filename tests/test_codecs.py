@@ -1,0 +1,82 @@
+"""Codecs: error bounds, the wire's encoding equals ``roundtrip``, and error feedback returns what was dropped."""
+
+import pytest
+import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+from swarm.net.hivemind_codecs import hivemind_compression
+from swarm.sync.codecs import BLOCK, EXACT_MAX, codec_named
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp32_is_exact_and_fp16_within_its_relative_error():
+    x = _randn(1000) * 3
+    assert torch.equal(codec_named("fp32").roundtrip(x), x)
+    err = (codec_named("fp16").roundtrip(x) - x).abs()
+    assert 0 < err.max() and bool((err <= x.abs() * 2**-11 + 1e-7).all())
+
+
+def test_int8_error_is_at_most_half_a_step_of_each_block():
+    x = _randn(10 * BLOCK + 7)
+    x[:BLOCK] *= 1000  # one block of large values must not spoil the precision of the others
+    got = codec_named("int8").roundtrip(x)
+    pad = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
+    step = (pad.abs().amax(dim=1) / 127).repeat_interleave(BLOCK)[: x.numel()]
+    err = (got - x).abs()
+    assert bool((err <= step / 2 * (1 + 1e-5)).all())
+    assert err[BLOCK:].max() < 0.02  # a block of N(0, 1) values: steps of about 3 / 127
+
+
+def test_small_tensors_travel_exactly_and_bytes_follow_the_codec():
+    w = torch.tensor([1.0, 0.9, 2.5])
+    for name in ("fp16", "int8"):
+        assert torch.equal(codec_named(name).roundtrip(w), w)
+    n = 64 * 1000
+    assert codec_named("fp32").wire_bytes(n) == 4 * n
+    assert codec_named("fp16").wire_bytes(n) == 2 * n
+    assert codec_named("int8").wire_bytes(n) == n + 4 * 1000
+    assert codec_named("int8").wire_bytes(EXACT_MAX) == 4 * EXACT_MAX
+    with pytest.raises(ValueError, match="unknown codec 'int4'"):
+        codec_named("int4")
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8"])
+def test_what_hivemind_sends_decodes_to_roundtrip_bit_for_bit(name):
+    codec, x = codec_named(name), _randn(3, 700, seed=1)
+    compression = hivemind_compression(codec)
+    info = CompressionInfo.from_tensor(x)
+    # the all-reduce sends parts of a tensor: each part starts a whole number of blocks into the tensor
+    part = int(DEFAULT_PART_SIZE_BYTES / (x.element_size() * compression.estimate_compression_ratio(info)))
+    assert part % BLOCK == 0
+    for piece in (x, x.reshape(-1)[: 5 * BLOCK]):
+        wire = deserialize_torch_tensor(compression.compress(piece, info.get_part(0, part)))
+        assert torch.equal(wire, codec.roundtrip(piece))
+    small = torch.tensor([0.123456789, 7.0])  # the group's weights: exact with every codec
+    wire = deserialize_torch_tensor(compression.compress(small, CompressionInfo.from_tensor(small)))
+    assert torch.equal(wire, small)
+    if name == "int8":
+        assert len(compression.compress(x, info).buffer) == codec.wire_bytes(x.numel())
+
+
+def test_error_feedback_delays_what_the_codec_drops_instead_of_losing_it():
+    codec, delta = codec_named("int8"), _randn(4096, seed=2) * 1e-3
+    delta[::BLOCK] = 0.05  # a large value per block: small ones are mostly rounded away
+    residual, with_feedback, without = (
+        torch.zeros_like(delta),
+        torch.zeros_like(delta),
+        torch.zeros_like(delta),
+    )
+    for _ in range(20):
+        v = delta + residual
+        sent = codec.roundtrip(v)
+        residual = v - sent
+        with_feedback += sent
+        without += codec.roundtrip(delta)
+    want = 20 * delta
+    assert torch.allclose(with_feedback + residual, want, atol=1e-6)  # nothing lost, only delayed
+    err_fb, err_plain = (with_feedback - want).norm(), (without - want).norm()
+    assert err_fb < err_plain / 5, (err_fb, err_plain)

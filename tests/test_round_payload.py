@@ -1,0 +1,63 @@
+"""What a group sends: weights, or the change since the agreed reference plus the codec's last error."""
+
+import torch
+
+from swarm.net.group_layout import GroupSpec
+from swarm.net.round_payload import Payloads
+from swarm.sync.codecs import codec_named
+
+SPEC = GroupSpec("t_experts_0_1", ("expert0", "expert1"))
+SIZES = {"expert0": 1, "expert1": 1}
+
+
+def _local(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"expert0": [torch.randn(50, 40, generator=g)], "expert1": [torch.randn(50, 40, generator=g)]}
+
+
+def test_fp32_sends_weights_and_keeps_no_state():
+    payloads, local = Payloads(codec_named("fp32")), _local(0)
+    sent = payloads.encode(SPEC, local, {"expert0": 2.0, "expert1": 0.5})
+    tensors = list(sent.tensors)
+    assert sent.reference == "" and sent.residuals is None
+    assert torch.equal(tensors[0], local["expert0"][0] * 2.0) and tensors[-1].tolist() == [2.0, 0.5]
+    payloads.commit(SPEC, sent, local, "round1")
+    assert payloads.reference_id(SPEC) == ""
+
+
+def test_int8_sends_the_change_since_the_reference_plus_what_it_dropped_last_time():
+    codec = codec_named("int8")
+    payloads, weights = Payloads(codec), {"expert0": 2.0, "expert1": 1.0}
+    first = payloads.encode(SPEC, _local(0), weights)  # no reference yet: the weights
+    assert first.reference == ""
+    assert torch.equal(first.residuals[0], first.tensors[0] - codec.roundtrip(first.tensors[0]))
+    agreed = _local(1)
+    payloads.commit(SPEC, first, agreed, "t_digest_abc")
+    assert payloads.reference_id(SPEC) == "t_digest_abc"
+
+    moved = {i: [t + 0.01] for i, ts in agreed.items() for t in ts}
+    second = payloads.encode(SPEC, moved, weights)
+    assert second.reference == "t_digest_abc"
+    want = 2.0 * (moved["expert0"][0] - agreed["expert0"][0]) + first.residuals[0]
+    assert torch.allclose(second.tensors[0], want, atol=1e-6)
+    assert second.tensors[-1].tolist() == [2.0, 1.0]  # the weights: never compensated
+
+    # the group's mean comes back: the reference is added again
+    averaged = [t.clone() for t in second.tensors]
+    averages, mean_weights = payloads.decode(SPEC, second, averaged, SIZES)
+    assert mean_weights == [2.0, 1.0]
+    assert torch.allclose(averages["expert1"][0], moved["expert1"][0] + first.residuals[1], atol=1e-5)
+
+    # a round that is not applied keeps the old residual; forgetting drops the reference
+    third = payloads.encode(SPEC, moved, weights)
+    assert torch.allclose(third.tensors[0], second.tensors[0])
+    payloads.keep(["another group"])
+    assert payloads.reference_id(SPEC) == "" and payloads.encode(SPEC, moved, weights).reference == ""
+
+
+def test_a_group_with_items_the_reference_lacks_sends_weights():
+    payloads = Payloads(codec_named("fp16"))
+    one = GroupSpec("t_experts_0_1", ("expert0",))
+    sent = payloads.encode(one, _local(0), {"expert0": 1.0})
+    payloads.commit(one, sent, _local(0), "r1")
+    assert payloads.reference_id(one) == "r1" and payloads.reference_id(SPEC) == ""
