@@ -1,0 +1,228 @@
+"""A real swarm over bandwidth-limited links, once per codec: what a round costs and what it buys.
+
+    sudo python benchmarks/wan.py --quick            # demo shape, 4 rounds per codec, ~10 min on 2 cores
+    sudo python benchmarks/wan.py --mbit 100 --json  # demo and wide shapes, one JSON object per line
+
+A bootstrap peer and N peers (default 4) each run in a network namespace of their own, on links shaped to
+``--mbit`` in each direction (``netns_links``: tbf, no added latency: this kernel has no netem). Every peer
+trains ``--rounds`` sync intervals with the codec under test and stops; then, per codec and shape:
+
+- ``bytes_per_round``: what a peer moved per round (sent + received, at its p2pd: the ``wire_bytes`` of its
+  round records), mean over peers and rounds; ``link_bytes_per_round`` the same read at its link (IP headers
+  included, the whole run divided by its rounds: downloads it served outside its own rounds too);
+- ``bytes_ratio``: that divided by a fp32 full-model all-reduce among the same peers, 2 x 2(n-1)/n x the
+  model's fp32 bytes (a butterfly sends and receives 2(n-1)/n of it);
+- ``round_vs_link``: a round's wall time (median) divided by its payload's time on the link: half its bytes
+  (each direction carries about half) at ``--mbit``;
+- ``skipped_share``: sync points skipped because the previous round was still in flight;
+- ``val_loss``: the peers' validation loss after the run (mean).
+
+Shapes: ``demo`` (configs/demo.yaml) and ``wide`` (dense and experts scaled so that the model holds over
+100 MB of fp32). ``--set`` passes overrides to every peer (e.g. ``data.path=...`` for another corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.netns_links import ShapedLan, check_can_shape, remove_leftovers  # noqa: E402
+from peers.demo import wait_for_maddr  # noqa: E402
+from peers.demo_summary import read_jsonl  # noqa: E402
+from swarm.config import RunConfig, load_config, save_config  # noqa: E402
+from swarm.train.round_record import RoundRecord  # noqa: E402
+
+CODECS = ("fp32", "fp16", "int8")
+SHAPES = {
+    "demo": [],
+    # about 135 MB of fp32: experts dominate, as in the real models
+    "wide": ["model.d_model=256", "model.expert_hidden=512", "model.n_layers=4", "model.n_heads=4"],
+}
+STOP_S = 90  # after the last peer should have finished: a peer still running is stopped
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="A swarm over shaped links, per codec (needs root).")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--mbit", type=float, default=100.0, help="link rate in each direction (default 100)")
+    ap.add_argument("--rounds", type=int, default=8, help="sync intervals each peer trains (default 8)")
+    ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated (default: all)")
+    ap.add_argument("--shapes", default="demo,wide", help="comma-separated: demo, wide (default both)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every peer")
+    ap.add_argument("--run-dir", default="runs/wan", help="logs and metrics of every run")
+    ap.add_argument("--quick", action="store_true", help="demo shape, 4 rounds")
+    ap.add_argument("--json", action="store_true", help="one JSON object per codec and shape per line")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.rounds = "demo", 4
+    args.codecs, args.shapes = args.codecs.split(","), args.shapes.split(",")
+    bad = [c for c in args.codecs if c not in CODECS] + [s for s in args.shapes if s not in SHAPES]
+    if bad or args.peers < 2 or args.rounds < 2:
+        ap.error(f"unknown codecs or shapes {bad}" if bad else "needs --peers >= 2 and --rounds >= 2")
+    return args
+
+
+def model_bytes(cfg: RunConfig) -> int:
+    import torch
+
+    from swarm.model import MoETransformer
+
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+class Processes:
+    """Every process this benchmark starts, each in a session of its own: stopped by process group."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log, "w") as out:
+            p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+        self.procs.append(p)
+        return p
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        self.procs = []
+
+
+def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
+    overrides = [*SHAPES[shape], f"sync.codec={codec}", *args.set]
+    cfg = load_config(args.config, overrides)
+    steps = args.rounds * cfg.sync.sync_every
+    run.mkdir(parents=True, exist_ok=True)
+    effective = run / "config.yaml"
+    save_config(cfg, effective)
+    py, procs = sys.executable, Processes()
+    with ShapedLan(args.peers + 1, args.mbit) as lan:
+        try:
+            boot = procs.start(lan.command(0, [py, "-m", "bootstrap.main", "--host", lan.address(0),
+                                               "--config", str(effective)]), run / "bootstrap.log")  # fmt: skip
+            maddr = wait_for_maddr(run / "bootstrap.log", boot)
+            before = [lan.counters(i + 1) for i in range(args.peers)]
+            t0 = time.monotonic()
+            peers = []
+            for i in range(args.peers):
+                cmd = [py, "-m", "peers.main", "--config", str(effective), "--host", lan.address(i + 1),
+                       "--initial-peers", maddr, "--run-dir", str(run / f"peer{i}"), "--max-steps", str(steps),
+                       "--no-progress", "--set", f"train.threads={max(1, (os.cpu_count() or 1) // args.peers)}"]  # fmt: skip
+                peers.append(procs.start(lan.command(i + 1, cmd), run / f"peer{i}.log"))
+            bound = t0 + STOP_S + steps * 5.0  # far above any shape's step time here: only a hang reaches it
+            while any(p.poll() is None for p in peers) and time.monotonic() < bound:
+                time.sleep(1)
+            wall = time.monotonic() - t0
+            after = [lan.counters(i + 1) for i in range(args.peers)]
+            codes = [p.poll() for p in peers]
+        finally:
+            procs.stop()
+    return measure(args, cfg, run, codes, before, after, wall)
+
+
+def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) -> dict:
+    n, per_round, link, seconds, skipped, started, losses = args.peers, [], [], [], 0, 0, []
+    for i in range(n):
+        recs = read_jsonl(run / f"peer{i}" / "metrics.jsonl")
+        rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
+        ordinary = [r for r in rounds if r.started and not r.last]
+        skipped += sum(not r.started for r in rounds)
+        started += len(ordinary)
+        per_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
+        seconds += [(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes]
+        moved = sum(a - b for a, b in zip(after[i], before[i], strict=True))
+        link.append(moved / max(1, len(ordinary)))
+        for line in (run / f"peer{i}.log").read_text().splitlines():
+            if line.startswith("{") and "final_val_loss" in line:
+                losses.append(json.loads(line)["final_val_loss"])
+    full = 2 * 2 * (n - 1) / n * model_bytes(cfg)
+    bytes_per_round = statistics.mean(per_round) if per_round else float("nan")
+    link_s = [s / (b / 2 * 8 / (args.mbit * 1e6)) for s, b in seconds]
+    return {
+        "bytes_per_round": int(bytes_per_round) if per_round else None,
+        "link_bytes_per_round": int(statistics.mean(link)),
+        "full_allreduce_bytes": int(full),
+        "bytes_ratio": round(bytes_per_round / full, 4) if per_round else None,
+        "round_vs_link": round(statistics.median(link_s), 3) if link_s else None,
+        "skipped_share": round(skipped / max(1, skipped + started), 3),
+        "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
+        "rounds": started,
+        "exit_codes": codes,
+        "wall_s": round(wall, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    why = check_can_shape()
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    for name in remove_leftovers():
+        print(f"removed {name}, left by an earlier run", file=sys.stderr)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    base = Path(args.run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    subprocess.run([sys.executable, "-m", "swarm.data.cli", "stdlib"], cwd=ROOT, check=True,
+                   capture_output=True)  # fmt: skip  # the corpus, built once before the peers race for it
+    rows = []
+    try:
+        for shape in args.shapes:
+            for codec in args.codecs:
+                print(f"{shape} / {codec}: {args.peers} peers at {args.mbit:g} Mbit/s, {args.rounds} rounds",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                row = {
+                    "shape": shape,
+                    "codec": codec,
+                    **run_swarm(args, shape, codec, base / f"{shape}_{codec}"),
+                }
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: every namespace and process made was removed", file=sys.stderr)
+        return 130
+    if not args.json:
+        print_table(rows, args)
+    return 0
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"\n{args.peers} peers, links of {args.mbit:g} Mbit/s each way, {args.rounds} rounds per run")
+    head = f"{'shape':6} {'codec':5} {'MB/round':>9} {'link MB':>8} {'ratio':>6} {'round/link':>10} "
+    print(head + f"{'skipped':>8} {'val loss':>9}")
+    for r in rows:
+        mb = "n/a" if r["bytes_per_round"] is None else f"{r['bytes_per_round'] / 1e6:.1f}"
+        print(f"{r['shape']:6} {r['codec']:5} {mb:>9} {r['link_bytes_per_round'] / 1e6:>8.1f} "
+              f"{r['bytes_ratio'] or float('nan'):>6.3f} {r['round_vs_link'] or float('nan'):>10.2f} "
+              f"{r['skipped_share']:>8.0%} {r['val_loss'] or float('nan'):>9.4f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
