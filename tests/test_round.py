@@ -229,22 +229,30 @@ def test_compressed_rounds_send_deltas_and_reach_the_weighted_mean_within_the_co
                 assert torch.allclose(got, w, atol=2 * step)
 
 
-def test_members_with_different_references_drop_the_round_and_then_agree_on_a_new_one():
-    peers = {"a": [0], "b": [1]}
+def test_members_with_different_references_drop_the_round_and_take_the_common_one():
+    peers = {"a": [0], "b": [1], "c": [2]}
     swarm = Swarm(peers, sync=SyncConfig(codec="int8"))
+    dense = swarm.plan("a").groups[0][0]
     results = swarm.round({p: swarm.plan(p, index=1) for p in peers})
     assert all(results[p].dense for p in peers)
-    swarm.ctx["b"].payloads.forget("t_dense")  # as after a restart, or a round b missed
+    agreed = swarm.ctx["a"].payloads.reference(dense)
+    swarm.ctx["c"].payloads.forget("t_dense")  # as after a restart, or a round c missed
     results = swarm.round({p: swarm.plan(p, index=2) for p in peers})
     for p in peers:
         assert results[p].dense is None
         assert any("different references" in r for r in results[p].record.rejected), results[p].record
-    for index in (3, 4):  # weights against no reference, then deltas again
-        results = swarm.round({p: swarm.plan(p, index=index) for p in peers})
-        assert all(results[p].record.rejected == [] and results[p].dense for p in peers), {
-            p: (results[p].record.rejected, index) for p in peers
-        }
-    assert swarm.ctx["a"].payloads.reference_id(swarm.plan("a").groups[0][0])
+    # a and b keep theirs; c takes it from one of them (its served copy), bit for bit
+    assert any("took the agreed one from" in r for r in results["c"].record.rejected)
+    got = swarm.ctx["c"].payloads.reference(dense)
+    theirs = [swarm.ctx[q].payloads.reference(dense)[1]["dense"][0] for q in "ab"]
+    assert got[0] == agreed[0] and any(torch.equal(got[1]["dense"][0], t) for t in theirs)
+    # so the next round sends changes again, and is clean
+    results = swarm.round({p: swarm.plan(p, index=3) for p in peers})
+    assert all(results[p].record.rejected == [] and results[p].dense for p in peers), {
+        p: results[p].record.rejected for p in peers
+    }
+    ids = {swarm.ctx[p].payloads.reference_id(dense) for p in peers}
+    assert len(ids) == 1 and ids != {agreed[0]} and "" not in ids
 
 
 def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():

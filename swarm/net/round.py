@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from swarm.config import RunConfig, SyncConfig
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import host_float, nbytes, per_layer
-from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack
+from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, served_dense
 from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import await_digests, digest, group_key, publish_digest
 from swarm.net.round_payload import Payloads, SentPayload
@@ -43,6 +44,7 @@ from swarm.train.round_record import RoundRecord
 MAX_WEIGHT = 100.0
 WEIGHT_TOLERANCE = 1e-4
 MAX_REFERENCE = 128
+REFERENCES_DIFFER = "members' deltas were against different references"
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if published is not None:
             got, why = _confirmed(spec, outcome, ctx, local, payload, published, deadline)
         if got is None:
+            if why == REFERENCES_DIFFER and spec.items == (DENSE,) and not ctx.payloads.reference_id(spec):
+                source = _take_reference(spec, outcome, ctx, plan.dense, deadline)
+                why += f"; took the agreed one from {source[-8:]}" if source else "; none to take"
             if was_started:  # one that could not start said why already; a lone dense group only serves
                 rec.rejected.append(f"{_label(spec)}: {why}")
         else:
@@ -209,7 +214,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if spec.items == (DENSE,):
             rec.dense_group = size
             if group is not None:
-                _serve_quietly(group, list(pack(spec, copies, {DENSE: 1.0})), meta, rec)
+                # with a lossy codec, the agreed reference (a member that missed a round takes it from us)
+                ref_id, ref = ctx.payloads.reference(spec)
+                served = list(pack(spec, copies if ref is None else ref, {DENSE: 1.0}))
+                _serve_quietly(group, served, meta | {"ref": ref_id}, rec)
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
             ctx.server.update(copies, plan.step, final=False)
@@ -237,6 +245,37 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
     rec.sync_seconds = round(time.monotonic() - t0, 3)
     return result
+
+
+def _common_reference(infos: Sequence[RoundInfo]) -> str:
+    """The reference most members' changes were against (ties: the smallest id); "" if none had one."""
+    counts = Counter(i.reference for i in infos if i.reference)
+    return max(sorted(counts), key=lambda r: counts[r]) if counts else ""
+
+
+def _take_reference(
+    spec: GroupSpec, outcome: GroupOutcome, ctx: RoundContext, like: list[torch.Tensor], deadline: float
+) -> str:
+    """After a round whose members' references differed: the dense reference most of them had, from one
+    that serves it, as ours. Returns the member it came from, or "" if none served it in time."""
+    infos = {p: RoundInfo.from_msg(v, 1) for p, v in outcome.members.items()}
+    common = _common_reference([i for i in infos.values() if i is not None])
+    peers = sorted(p for p, i in infos.items() if i is not None and i.reference == common and p != ctx.me)
+    end = min(deadline, time.monotonic() + ctx.timing.download_s)
+    while common and peers and time.monotonic() < end:
+        for peer in peers:  # each serves it once it is past this round's outcome too
+            served = ctx.downloads.transport.fetch(peer, spec.name, max(0.5, end - time.monotonic()))
+            if served is None or served.meta.get("ref") != common:
+                continue
+            dense = served_dense(spec, served.meta, served.tensors, len(like))
+            try:
+                check_tensors(DENSE, dense or [], like, ctx.sync.max_rel_distance)
+            except RejectedTensor:
+                continue
+            ctx.payloads.adopt(spec, common, {DENSE: dense})
+            return peer
+        time.sleep(0.5)
+    return ""
 
 
 def _label(spec: GroupSpec) -> str:
@@ -272,10 +311,11 @@ def _checked(
         # would end holding a copy it never had (every member sees the same infos and drops it)
         return size, "a member was in another kind of round (last vs ordinary)", None
     if any(i.reference != payload.reference for i in infos):
-        # deltas against different states average to nothing meaningful: every member drops the round and
-        # its reference, and the next round sends weights to start a common one
-        ctx.payloads.forget(spec.name)
-        return size, "members' deltas were against different references (the next round sends weights)", None
+        # deltas against different states average to nothing meaningful: every member drops the round; the
+        # most common reference stays (round_payload)
+        if payload.reference != _common_reference(infos):
+            ctx.payloads.forget(spec.name)
+        return size, REFERENCES_DIFFER, None
     tensors = outcome.tensors
     if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
         return size, "the averaged tensors do not match the group's items", None

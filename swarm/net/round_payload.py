@@ -9,8 +9,11 @@ gradient) plus what the codec dropped last time; with fp32, the weights themselv
 Each member of a group keeps the group's last agreed result as its reference. A delta is small next to the
 weights, so the codec's error is small next to the weights too; and mean(x - r) + r = mean(x) exactly when
 every member used the same r. Members name their reference in their round info: if they differ (a member
-missed a round, or joined since), the result is meaningless, every member drops it and forgets its
-reference, and the next round sends weights (against a zero reference) to start a common one.
+missed a round, or joined since), the result is meaningless and every member drops it. The members whose
+reference is the most common one keep it; the others forget theirs. A dense group's member then takes that
+reference from a member that has it (every member serves its reference: ``run_round``), so the next round
+sends changes again; an expert group's next round sends weights (against a zero reference) to start a
+common one.
 
 Error feedback: a member adds what the codec dropped from its last sent payload to the next one, so
 quantisation error is delayed, never lost. The residual is the exact difference between what was encoded and
@@ -46,10 +49,20 @@ class Payloads:
         self._residuals: dict[str, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def reference_id(self, spec: GroupSpec) -> str:
+    def reference(self, spec: GroupSpec) -> tuple[str, dict[str, list[torch.Tensor]] | None]:
+        """(id, tensors per item) of the group's agreed reference, or ("", None)."""
         with self._lock:
             ref = self._refs.get(spec.name)
-        return ref[0] if ref is not None and set(spec.items) <= set(ref[1]) else ""
+        return ref if ref is not None and set(spec.items) <= set(ref[1]) else ("", None)
+
+    def reference_id(self, spec: GroupSpec) -> str:
+        return self.reference(spec)[0]
+
+    def adopt(self, spec: GroupSpec, ref_id: str, tensors: Mapping[str, list[torch.Tensor]]) -> None:
+        """Take another member's reference (its served copy of the agreed state) as ours."""
+        with self._lock:
+            self._refs[spec.name] = (ref_id, {i: list(tensors[i]) for i in spec.items})
+            self._residuals.pop(spec.name, None)
 
     def encode(
         self,
