@@ -14,7 +14,7 @@ from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
 from swarm.net.hivemind_group import HivemindGroup
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
-from swarm.net.round_consensus import await_digests, digest, digests_agree, publish_digest
+from swarm.net.round_consensus import abs_sums, await_digests, digest, digests_agree, publish_digest
 from swarm.net.timing import Timing
 from swarm.sync.codecs import codec_named
 
@@ -115,6 +115,7 @@ def test_digests_tolerate_rounding_but_not_untouched_parts():
     a = [torch.randn(10_000), torch.randn(64, 32)]
     rounded = [t + 1e-7 * torch.randn_like(t) for t in a]
     assert digests_agree(digest(a), digest(rounded))
+    assert abs_sums(a) == digest(a)[0::2]  # the floor a lossy round passes, without the projections
     partial = [a[0].clone(), a[1].clone()]
     partial[0][4000:4500] += 0.01  # a slice that kept this peer's own, unaveraged values
     assert not digests_agree(digest(a), digest(partial))

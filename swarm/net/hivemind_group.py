@@ -73,10 +73,8 @@ class _ServingAverager(hivemind.DecentralizedAverager):
 
 class HivemindGroup:
     """See the module docstring. ``like``: the buffers' shapes, or None for a group that only serves (its
-    copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_fp16``:
-    served copies travel as fp16 (expert copies), else fp32 (the dense weights, which the final agreement
-    must copy exactly); ``serve_compression``: how they travel instead (the codec, for expert deltas).
-    An averaging group serves its buffers between rounds (one host copy per group)."""
+    copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_compression``:
+    how served copies travel (default fp16). An averaging group serves its buffers between rounds (one host copy per group)."""
 
     def __init__(
         self,
@@ -88,7 +86,6 @@ class HivemindGroup:
         allreduce_timeout: float = 60.0,
         request_timeout: float = 5.0,
         compression: CompressionBase | None = None,
-        serve_fp16: bool = True,
         serve_compression: CompressionBase | None = None,
     ) -> None:
         self.name, self.serves_only = name, like is None
@@ -107,8 +104,7 @@ class HivemindGroup:
                 sender_timeout=request_timeout,
                 reducer_timeout=2 * request_timeout,
                 compression=compression or NoCompression(),
-                state_compression=serve_compression
-                or (Float16Compression() if serve_fp16 else NoCompression()),
+                state_compression=serve_compression or Float16Compression(),
                 allow_state_sharing=True,
                 declare_state_period=10.0,
                 shutdown_timeout=SHUTDOWN_S,

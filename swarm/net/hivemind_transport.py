@@ -14,6 +14,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
 from swarm.net.hivemind_codecs import hivemind_compression
@@ -86,9 +87,16 @@ class HivemindTransport:
             allreduce_timeout=t.round_s,
             request_timeout=t.request_s,
             compression=hivemind_compression(self.codec),
-            serve_fp16=not name.endswith(DENSE_SUFFIX),  # the dense copy is served exactly
-            serve_compression=hivemind_compression(serve_codec) if serve_codec else None,
+            serve_compression=self._serving(name, serve_codec),
         )
+
+    @staticmethod
+    def _serving(name: str, codec: Codec | None):
+        """How a group's served copies travel: the dense copy exactly (the final agreement copies it), a
+        server's by its codec when it has one (expert changes), anything else (expert copies) as fp16."""
+        if name.endswith(DENSE_SUFFIX):
+            return NoCompression()
+        return hivemind_compression(codec) if codec else None
 
     def open(self, name: str, like: Sequence[torch.Tensor]) -> HivemindGroup:
         return self._group(name, like)

@@ -32,7 +32,7 @@ from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import host_float, nbytes, per_layer
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, served_dense
 from swarm.net.membership import MembershipView
-from swarm.net.round_consensus import await_digests, digest, group_key, publish_digest
+from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
 from swarm.net.round_payload import Payloads, SentPayload
 from swarm.net.timing import Timing
 from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
@@ -346,7 +346,7 @@ def _confirmed(
     timeout = max(0.5, deadline - time.monotonic())
     key, mine = published
     tolerance = ctx.payloads.codec.tolerance
-    floor = None if isinstance(payload.tensors, Iterator) else digest(payload.tensors)[0::2]
+    floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
     ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor)
     if not ok:
         return None, why

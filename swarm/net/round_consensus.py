@@ -32,6 +32,19 @@ def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> s
     return f"{run_id}_digest_{prefix}_{hashlib.sha256(blob).hexdigest()[:24]}"
 
 
+def abs_sums(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Per slot, the sum of |x|: ``digest(tensors)[0::2]`` without the projections (``digests_agree``'s
+    floor)."""
+    sums: list[float] = []
+    for i, t in enumerate(tensors):
+        for j, seg in enumerate(t.detach().reshape(-1).double().tensor_split(SEGMENTS)):
+            slot = (i * SEGMENTS + j) % MAX_PAIRS
+            if slot == len(sums):
+                sums.append(0.0)
+            sums[slot] += float(seg.abs().sum())
+    return sums
+
+
 def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Per tensor and per segment: (sum of |x|, a signed random projection), folded into at most
     ``MAX_PAIRS`` pairs (slot = segment number mod MAX_PAIRS) so that a record stays small whatever the
