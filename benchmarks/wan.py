@@ -7,13 +7,16 @@ A bootstrap peer and N peers (default 4) each run in a network namespace of thei
 ``--mbit`` in each direction (``netns_links``: tbf, no added latency: this kernel has no netem). Every peer
 trains ``--rounds`` sync intervals with the codec under test and stops; then, per codec and shape:
 
-- ``bytes_per_round``: what a peer moved per round (sent + received, at its p2pd: the ``wire_bytes`` of its
-  round records), mean over peers and rounds; ``link_bytes_per_round`` the same read at its link (IP headers
-  included, the whole run divided by its rounds: downloads it served outside its own rounds too);
+- ``bytes_per_round``: what a peer moved per round (sent + received, at its p2pd), everything from the end
+  of its first ordinary round to the end of its last divided by the rounds between (so downloads it served
+  to others outside its own rounds, heartbeats and digests count too), mean over peers;
+  ``round_bytes`` only what moved during its own rounds (``wire_bytes``); ``link_bytes_per_round`` the
+  whole run read at its link (IP headers, joining and the last round included) divided by its rounds;
 - ``bytes_ratio``: that divided by a fp32 full-model all-reduce among the same peers, 2 x 2(n-1)/n x the
   model's fp32 bytes (a butterfly sends and receives 2(n-1)/n of it);
-- ``round_vs_link``: a round's wall time (median) divided by its payload's time on the link: half its bytes
-  (each direction carries about half) at ``--mbit``;
+- ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
+  during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
+  ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``);
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -144,15 +147,22 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
 
 
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) -> dict:
-    n, per_round, link, seconds, skipped, started, losses = args.peers, [], [], [], 0, 0, []
+    n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
+    phases: dict[str, list[float]] = {}
     for i in range(n):
         recs = read_jsonl(run / f"peer{i}" / "metrics.jsonl")
         rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
         ordinary = [r for r in rounds if r.started and not r.last]
         skipped += sum(not r.started for r in rounds)
         started += len(ordinary)
-        per_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
+        totals = [r.wire_total for r in ordinary if r.wire_total is not None]
+        if len(totals) >= 2:
+            per_round.append((totals[-1] - totals[0]) / (len(totals) - 1))
+        in_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
         seconds += [(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes]
+        for r in ordinary:
+            for phase, s in r.phase_seconds.items():
+                phases.setdefault(phase, []).append(s)
         moved = sum(a - b for a, b in zip(after[i], before[i], strict=True))
         link.append(moved / max(1, len(ordinary)))
         for line in (run / f"peer{i}.log").read_text().splitlines():
@@ -163,10 +173,13 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
     link_s = [s / (b / 2 * 8 / (args.mbit * 1e6)) for s, b in seconds]
     return {
         "bytes_per_round": int(bytes_per_round) if per_round else None,
+        "round_bytes": int(statistics.mean(in_round)) if in_round else None,
         "link_bytes_per_round": int(statistics.mean(link)),
         "full_allreduce_bytes": int(full),
         "bytes_ratio": round(bytes_per_round / full, 4) if per_round else None,
         "round_vs_link": round(statistics.median(link_s), 3) if link_s else None,
+        "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
+        "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,
@@ -215,13 +228,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"\n{args.peers} peers, links of {args.mbit:g} Mbit/s each way, {args.rounds} rounds per run")
-    head = f"{'shape':6} {'codec':5} {'MB/round':>9} {'link MB':>8} {'ratio':>6} {'round/link':>10} "
-    print(head + f"{'skipped':>8} {'val loss':>9}")
+    head = f"{'shape':6} {'codec':5} {'MB/round':>9} {'in round':>9} {'link MB':>8} {'ratio':>6} "
+    print(head + f"{'round s':>8} {'round/link':>10} {'skipped':>8} {'val loss':>9}  phases (median s)")
+
+    def mb(v: float | None) -> str:
+        return "n/a" if v is None else f"{v / 1e6:.1f}"
+
     for r in rows:
-        mb = "n/a" if r["bytes_per_round"] is None else f"{r['bytes_per_round'] / 1e6:.1f}"
-        print(f"{r['shape']:6} {r['codec']:5} {mb:>9} {r['link_bytes_per_round'] / 1e6:>8.1f} "
-              f"{r['bytes_ratio'] or float('nan'):>6.3f} {r['round_vs_link'] or float('nan'):>10.2f} "
-              f"{r['skipped_share']:>8.0%} {r['val_loss'] or float('nan'):>9.4f}")  # fmt: skip
+        phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
+        print(f"{r['shape']:6} {r['codec']:5} {mb(r['bytes_per_round']):>9} {mb(r['round_bytes']):>9} "
+              f"{r['link_bytes_per_round'] / 1e6:>8.1f} {r['bytes_ratio'] or float('nan'):>6.3f} "
+              f"{r['round_s'] or float('nan'):>8.1f} {r['round_vs_link'] or float('nan'):>10.2f} "
+              f"{r['skipped_share']:>8.0%} {r['val_loss'] or float('nan'):>9.4f}  {phases}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The hivemind transport with real hivemind processes on 127.0.0.1: groups, serving, consensus, records."""
 
+import dataclasses
 import multiprocessing as mp
 import signal
 import sys
@@ -11,34 +12,39 @@ import pytest
 import torch
 
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
+from swarm.net.expert_download import Fresh
 from swarm.net.hivemind_group import HivemindGroup
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import abs_sums, await_digests, digest, digests_agree, publish_digest
 from swarm.net.timing import Timing
+from swarm.net.traffic import TrafficMeter
 from swarm.sync.codecs import codec_named
 
 pytestmark = pytest.mark.timeout(180)
+EXPERT_NUMEL = 1_000_000  # 2 MB as served: what a refused download must not move
 TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
                 final_agreement_s=5.0)  # fmt: skip
 
 
-def _member(i, maddrs, out):
+def _member(i, maddrs, out, ready):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our DHT and p2pd
     dht = start_dht(maddrs)
     try:
-        transport = HivemindTransport(dht, TIMING)
+        # a matchmaking window of 30 s: the group forms once all 3 are in (``expected``), well before it ends
+        transport = HivemindTransport(dht, dataclasses.replace(TIMING, matchmaking_s=30.0))
         tensors = [torch.full((1000,), float(i + 1)), torch.arange(12.0).view(3, 4) * (i + 1)]
         group = transport.open("t_dense", tensors)
         server = transport.open_server("t_experts")
         server.serve(
-            [torch.full((4,), float(i), dtype=torch.float16)],
+            [torch.full((EXPERT_NUMEL,), float(i), dtype=torch.float16)],
             {"items": ["expert0"], "steps": [i], "final": [False]},
         )
-        time.sleep(1.0)
-        handle = group.start(iter(tensors), {"i": i}, matchmaking_s=20)
-        got = group.outcome(handle, timeout=40)
-        group.serve(got.tensors, {"step": 7})
+        ready.wait(timeout=60)  # all three DHTs are up: they start looking together
+        handle = group.start(iter(tensors), {"i": i}, matchmaking_s=30, expected=3)
+        got = group.outcome(handle, timeout=20)
+        if got.ok:
+            group.serve(got.tensors, {"step": 7})
         out.put((i, got.ok, got.reason, [t.tolist() for t in got.tensors], sorted(got.members), transport.me))
         time.sleep(6)  # keep serving downloads for a moment
         transport.close_groups([group, server])
@@ -50,7 +56,8 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
     boot = start_dht()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(i, visible_maddrs(boot), out)) for i in range(3)]
+    ready = ctx.Barrier(3)
+    procs = [ctx.Process(target=_member, args=(i, visible_maddrs(boot), out, ready)) for i in range(3)]
     try:
         for p in procs:
             p.start()
@@ -67,7 +74,15 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
         assert served.tensors[0].dtype == torch.float32 and served.tensors[0][0].item() == want0  # exact
         served = transport.fetch(results[2][5], "t_experts", timeout=20)
         assert served.meta["items"] == ["expert0"] and served.tensors[0].dtype == torch.float16
-        assert served.tensors[0].tolist() == [2.0] * 4
+        assert served.tensors[0].shape == (EXPERT_NUMEL,) and bool((served.tensors[0] == 2.0).all())
+        # a poll for a fresher copy than the holder has moves the metadata, not the tensors
+        meter, holder = TrafficMeter(boot.pid), results[2][5]
+        before = meter.total()
+        stale = transport.fetch(holder, "t_experts", timeout=20, accept=Fresh(("expert0",), 3, final=False))
+        moved = meter.total() - before
+        assert stale.meta["steps"] == [2] and stale.tensors == [] and moved < 0.25 * 2 * EXPERT_NUMEL, moved
+        fresh = transport.fetch(holder, "t_experts", timeout=20, accept=Fresh(("expert0",), 2, final=False))
+        assert fresh.tensors[0].shape == (EXPERT_NUMEL,)
         assert transport.fetch("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo", "t_dense", 3) is None
         for p in procs:
             p.join(timeout=30)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -140,14 +141,18 @@ class ExpertDownloads:
         patience: int = MAX_EMPTY_ANSWERS,
     ) -> Served | None:
         empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
+        items = tuple(expert_item(e) for e in wanted)
         while True:
             left = deadline - time.monotonic()
             if left <= RETRY_S:
                 if latest is None:
                     failures.append(f"{label}: no fresh copy before the deadline")
                 return latest  # the newest copy it saw, if it never got a final one
-            served = self.transport.fetch(peer, name or self.server_name, timeout=min(left, self.download_s))
-            if served is not None:  # every answer counts: what a holder serves comes whole
+            # only a copy worth having travels; after the last round, the first answer comes whole (the
+            # newest copy, kept in case the holder never settles), then only a final one
+            fresh = Fresh(items, step if peer_step >= step else None, final) if not final or latest else None
+            served = self.transport.fetch(peer, name or self.server_name, min(left, self.download_s), fresh)
+            if served is not None:  # every answer counts: tensors travel whole, or not at all (``fresh``)
                 encoded = name is not None and name == self.deltas_name
                 self.received += sum(
                     self.codec.wire_bytes(t.numel()) if encoded else t.numel() * t.element_size()
@@ -170,10 +175,28 @@ class ExpertDownloads:
             if final:  # every peer must end with the holder's final copy, whatever the steps: wait for it
                 if all(is_final for _, is_final in copies):
                     return served
-                latest = served
+                latest = served if served.tensors else latest
             elif min(s for s, _ in copies) >= step or peer_step < step:
                 return served  # fresh from this round, or from a holder behind us (taken as it is)
             time.sleep(RETRY_S)
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """Whether a holder's served metadata offers the copies worth downloading (``GroupTransport.fetch``'s
+    ``accept``): every item, each final (``final``) or from ``min_step`` on (None: any step)."""
+
+    items: tuple[str, ...]
+    min_step: int | None
+    final: bool
+
+    def __call__(self, meta: Mapping) -> bool:
+        steps = served_steps(meta)
+        if not all(i in steps for i in self.items):
+            return False
+        if self.final:
+            return all(steps[i][1] for i in self.items)
+        return self.min_step is None or min(steps[i][0] for i in self.items) >= self.min_step
 
 
 def served_steps(meta: Mapping) -> dict[str, tuple[int, bool]]:

@@ -26,7 +26,7 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils import MSGPackSerializer
 
 from swarm.net.dht_node import as_hivemind_child, hivemind_child_signals
-from swarm.net.transport import GroupOutcome
+from swarm.net.transport import GroupOutcome, metadata_accepted
 
 MAX_INFO_BYTES = 4096
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
@@ -59,6 +59,16 @@ class _ServingAverager(hivemind.DecentralizedAverager):
     def run(self) -> None:
         as_hivemind_child()
         super().run()
+
+    def expect_members(self, n: int | None) -> None:
+        """Before a step: the group it forms may begin as soon as ``n`` members are in (runs in the child)."""
+        self._outer_pipe.send(("_expect_members", [n], {}))
+
+    async def _expect_members(self, n: int | None) -> None:
+        # hivemind's target_group_size, changed round by round: a leader whose followers make ``n`` begins
+        # at once instead of at the end of its matchmaking window, and turns away more (``GROUP_IS_FULL``)
+        self._matchmaking.target_group_size = n
+        self._matchmaking.potential_leaders.target_group_size = n
 
     async def _shutdown(self, timeout):
         # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
@@ -141,12 +151,15 @@ class HivemindGroup:
         info: dict[str, Any],
         matchmaking_s: float,
         scheduled: float | None = None,
+        expected: int | None = None,
     ) -> StepControl:
         gather = MSGPackSerializer.dumps(info)
         if len(gather) > MAX_INFO_BYTES:
             raise ValueError("round info too large")
         self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
         self._fill(tensors)
+        # commands reach the averager's process in order: the size is set before the step looks for a group
+        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
         return self.averager.step(
             gather=gather,
             weight=1.0,
@@ -200,9 +213,11 @@ def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> No
         t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-async def _download(dht, node, peer: str, prefix: str, timeout: float):
+async def _download(dht, node, peer: str, prefix: str, timeout: float, accept=None):
     """Runs inside the DHT process (``dht.run_coroutine``): stream one group's state from ``peer``.
-    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled."""
+    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. The
+    metadata comes with the first part: if ``accept`` refuses it, the stream is closed there (the holder's
+    next writes fail), so that only that part travelled."""
     import asyncio
 
     from hivemind.compression import deserialize_torch_tensor
@@ -217,6 +232,9 @@ async def _download(dht, node, peer: str, prefix: str, timeout: float):
         async for msg in stream:
             if msg.metadata:
                 meta = MSGPackSerializer.loads(msg.metadata)
+                if accept is not None and not metadata_accepted(accept, meta):
+                    await stream.aclose()
+                    return meta, []
             if msg.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
@@ -231,10 +249,11 @@ async def _download(dht, node, peer: str, prefix: str, timeout: float):
         return None
 
 
-def download_state(dht: hivemind.DHT, peer: str, prefix: str, timeout: float = 30.0):
-    """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout."""
+def download_state(dht: hivemind.DHT, peer: str, prefix: str, timeout: float = 30.0, accept=None):
+    """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout;
+    ``accept(metadata)`` (picklable) false: (metadata, [])."""
     try:
-        fn = functools.partial(_download, peer=peer, prefix=prefix, timeout=timeout)  # picklable, importable
+        fn = functools.partial(_download, peer=peer, prefix=prefix, timeout=timeout, accept=accept)
         return dht.run_coroutine(fn, return_future=True).result(timeout=timeout + 5)
     except Exception:
         return None

@@ -9,7 +9,7 @@ Every call is bounded: a DHT request that does not answer in time reads as "noth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hivemind
@@ -104,8 +104,10 @@ class HivemindTransport:
     def open_server(self, name: str, codec: Codec | None = None) -> HivemindGroup:
         return self._group(name, None, codec)
 
-    def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
-        got = download_state(self.dht, peer, name, timeout=timeout)
+    def fetch(
+        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+    ) -> Served | None:
+        got = download_state(self.dht, peer, name, timeout=timeout, accept=accept)
         if got is None:
             return None
         meta = got[0] if isinstance(got[0], dict) else {}  # it answered, but serves nothing (yet)

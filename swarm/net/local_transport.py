@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from swarm.net.transport import GroupOutcome, Served
+from swarm.net.transport import GroupOutcome, Served, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
 
 
@@ -44,6 +44,9 @@ class Fault:
     round: int | None = None  # the round index in the members' info; None: every round
     seconds: float = 0.0  # delay
     factor: float = 1.0  # scale
+
+
+POLL_S = 0.02  # how often a waiting member looks whether its group has formed
 
 
 @dataclass
@@ -82,13 +85,18 @@ class LocalNetwork:
         return None
 
     # -- groups ---------------------------------------------------------------------------------------------
-    def join(self, name: str, me: str, tensors: list[torch.Tensor], info: dict, scheduled: float | None):
+    def join(
+        self, name: str, me: str, tensors: list[torch.Tensor], info: dict, scheduled: float | None,
+        expected: int | None = None,
+    ):  # fmt: skip
         with self.lock:
             form = self.forming.get(name)
             if form is None or form.results is not None or time.time() >= form.closes_at:
                 closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
                 form = self.forming[name] = _Formation(closes)
             form.sent[me] = (tensors, info)
+            if expected is not None and len(form.sent) >= expected:  # complete: it begins now
+                form.closes_at = min(form.closes_at, time.time())
             return form
 
     def close(self, form: _Formation) -> None:
@@ -182,20 +190,23 @@ class LocalGroup:
             self.net.served[(self.me, self.name)] = Served(dict(meta), served)  # as they will arrive
 
     def start(
-        self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None
-    ):
+        self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None,
+        expected: int | None = None,
+    ):  # fmt: skip
         with self.net.lock:  # like hivemind's buffers: nothing served while a round runs
             self.net.served.pop((self.me, self.name), None)
-        return self.net.join(self.name, self.me, [t.detach().clone() for t in tensors], info, scheduled)
+        copies = [t.detach().clone() for t in tensors]
+        return self.net.join(self.name, self.me, copies, info, scheduled, expected)
 
     def outcome(self, handle: _Formation, timeout: float) -> GroupOutcome:
         deadline = time.monotonic() + timeout
         delay = self.net.fault("delay", self.me, handle.sent.get(self.me, (None, None))[1])
-        wait = max(0.0, handle.closes_at - time.time()) + (delay.seconds if delay else 0.0)
-        if wait > timeout:
-            time.sleep(max(0.0, deadline - time.monotonic()))
-            return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
-        time.sleep(wait)
+        extra = delay.seconds if delay else 0.0
+        # the formation may close early (``expected``): look again every POLL_S
+        while (left := handle.closes_at + extra - time.time()) > 0:
+            if time.monotonic() >= deadline:
+                return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
+            time.sleep(min(POLL_S, left, max(0.0, deadline - time.monotonic())))
         self.net.close(handle)
         return handle.results[self.me]
 
@@ -221,18 +232,25 @@ class LocalTransport:
         self.net.server_codecs[name] = codec
         return LocalGroup(self.net, self.me, name, serves_only=True, codec=codec)
 
-    def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
+    def fetch(
+        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+    ) -> Served | None:
         if self.net.fault("dead", peer):
             return None
+        garbled = self.net.fault("garble", peer)
         with self.net.lock:
             served = self.net.served.get((peer, name))
+            if served is not None and garbled:
+                served = Served({"items": "expert0", "steps": [0], "base": 5, "hash": None}, served.tensors)
+            if served is not None and accept is not None and not metadata_accepted(accept, served.meta):
+                served = Served(dict(served.meta), [])  # like hivemind's: the metadata came, the tensors not
             self.net.fetched.append(
                 (self.me, peer, name, sum(t.numel() for t in served.tensors) if served else 0)
             )
         if served is None:
             return Served({}, [])  # it answers, but serves nothing (yet)
-        if self.net.fault("garble", peer):
-            return Served({"items": "expert0", "steps": [0], "base": 5, "hash": None}, list(served.tensors))
+        if garbled:
+            return Served(dict(served.meta), list(served.tensors))
         # like hivemind's transport: expert copies travel as fp16, or with the server's codec
         half = not name.endswith("_dense") and self.net.server_codecs.get(name) is None
         return Served(dict(served.meta), [t.half() if half else t.clone() for t in served.tensors])

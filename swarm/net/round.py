@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -30,59 +28,16 @@ from swarm.config import RunConfig, SyncConfig
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import host_float, nbytes, per_layer
-from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, pack, served_dense
+from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
+from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
 from swarm.net.round_payload import Payloads, SentPayload
 from swarm.net.timing import Timing
 from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
 from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
 from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
-
-# weights are tokens in units of one sync interval's batches: a peer cannot plausibly report more than this
-MAX_WEIGHT = 100.0
-WEIGHT_TOLERANCE = 1e-4
-MAX_REFERENCE = 128
-REFERENCES_DIFFER = "members' deltas were against different references"
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """What each member of a group tells the others, gathered by the group."""
-
-    step: int
-    round: int
-    last: bool
-    weights: tuple[float, ...]  # per item of the group, in order
-    reference: str = ""  # the agreed state our deltas are against ("": we send weights; round_payload)
-
-    def to_msg(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "round": self.round,
-            "last": self.last,
-            "weights": list(self.weights),
-            "ref": self.reference,
-        }
-
-    @classmethod
-    def from_msg(cls, value: Any, n_items: int) -> RoundInfo | None:
-        """Parse another member's info; None unless every field is well formed and plausible."""
-        if not isinstance(value, dict):
-            return None
-        step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
-        reference = value.get("ref", "")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
-            return None
-        if not isinstance(reference, str) or len(reference) > MAX_REFERENCE:
-            return None
-        if not isinstance(last, bool) or not isinstance(weights, list) or len(weights) != n_items:
-            return None
-        for w in weights:
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
-                return None  # also NaN and inf
-        return cls(step, index, last, tuple(float(w) for w in weights), reference)
 
 
 @dataclass(frozen=True)
@@ -174,7 +129,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             ws = tuple(weights[i] for i in spec.items)
             info = RoundInfo(plan.step, plan.index, plan.last, ws, payload.reference)
             mm = wait + timing.ordinary_matchmaking_s
-            handle = group.start(payload.tensors, info.to_msg(), mm, plan.scheduled)
+            handle = group.start(
+                payload.tensors, info.to_msg(), mm, plan.scheduled, _expected(spec, view, ctx.me)
+            )
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             rec.rejected.append(f"{_label(spec)}: {type(e).__name__}: {e}"[:200])
             started.append((spec, None, None))
@@ -192,7 +149,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
         size, why, published = _checked(spec, outcome, plan, ctx, local, payload, deadline)
         checked.append((spec, group, payload, outcome, size, why, published))
-    sent, codec = 0, ctx.payloads.codec
+    sent, codec, phases = 0, ctx.payloads.codec, _Phases(rec, t0)
+    phases.end("groups")
     averaged: dict[str, list[torch.Tensor]] = {}
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None
@@ -221,6 +179,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
             ctx.server.update(copies, plan.step, final=False)
+    phases.end("checks")
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])
     for e in plan.experts:
@@ -236,7 +195,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, False, deadline)
         result.downloads, rec.download_failures = got, failures
         rec.rejected += rejected
+        phases.end("downloads")
     _merge(result, plan, ctx.sync, ctx.n_experts)
+    phases.end("merge")
 
     rec.bytes_sent = sent
     rec.bytes_recv = sent + ctx.downloads.received  # downloads as they came (fp16 copies, encoded changes)
@@ -247,10 +208,16 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     return result
 
 
-def _common_reference(infos: Sequence[RoundInfo]) -> str:
-    """The reference most members' changes were against (ties: the smallest id); "" if none had one."""
-    counts = Counter(i.reference for i in infos if i.reference)
-    return max(sorted(counts), key=lambda r: counts[r]) if counts else ""
+class _Phases:
+    """Writes how long each phase of a round took into its record (``phase_seconds``)."""
+
+    def __init__(self, rec: RoundRecord, t0: float) -> None:
+        self.rec, self.mark = rec, t0
+
+    def end(self, phase: str) -> None:
+        now = time.monotonic()
+        self.rec.phase_seconds[phase] = round(now - self.mark, 3)
+        self.mark = now
 
 
 def _take_reference(
@@ -259,7 +226,7 @@ def _take_reference(
     """After a round whose members' references differed: the dense reference most of them had, from one
     that serves it, as ours. Returns the member it came from, or "" if none served it in time."""
     infos = {p: RoundInfo.from_msg(v, 1) for p, v in outcome.members.items()}
-    common = _common_reference([i for i in infos.values() if i is not None])
+    common = common_reference([i for i in infos.values() if i is not None])
     peers = sorted(p for p, i in infos.items() if i is not None and i.reference == common and p != ctx.me)
     end = min(deadline, time.monotonic() + ctx.timing.download_s)
     while common and peers and time.monotonic() < end:
@@ -276,6 +243,15 @@ def _take_reference(
             return peer
         time.sleep(0.5)
     return ""
+
+
+def _expected(spec: GroupSpec, view: MembershipView, me: str) -> int:
+    """How many members the group should have, as our view sees it (ourselves included)."""
+    if spec.items == (DENSE,):
+        return 1 + len(view.partners(me))
+    return len(
+        frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
+    )
 
 
 def _label(spec: GroupSpec) -> str:
@@ -313,7 +289,7 @@ def _checked(
     if any(i.reference != payload.reference for i in infos):
         # deltas against different states average to nothing meaningful: every member drops the round; the
         # most common reference stays (round_payload)
-        if payload.reference != _common_reference(infos):
+        if payload.reference != common_reference(infos):
             ctx.payloads.forget(spec.name)
         return size, REFERENCES_DIFFER, None
     tensors = outcome.tensors

@@ -148,6 +148,7 @@ class SwarmSync:
         wire1 = self.wire_meter.total() if self.wire_meter else None
         if wire0 is not None and wire1 is not None:
             result.record.wire_bytes = wire1 - wire0  # at our p2pd: both directions, overhead included
+            result.record.wire_total = wire1
         self._results.put(result)
 
     def wait_for_round(self) -> None:

@@ -15,7 +15,7 @@ member claims and what it really contributed can be compared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +40,14 @@ class Served:
 
     meta: dict[str, Any]
     tensors: list[torch.Tensor]
+
+
+def metadata_accepted(accept: Callable[[dict[str, Any]], bool], meta: Any) -> bool:
+    """``accept(meta)``, false for metadata it chokes on (what comes from the network may be anything)."""
+    try:
+        return isinstance(meta, dict) and bool(accept(dict(meta)))
+    except Exception:
+        return False
 
 
 class Store(Protocol):
@@ -69,8 +77,11 @@ class Group(Protocol):
         info: dict[str, Any],
         matchmaking_s: float,
         scheduled: float | None = None,
+        expected: int | None = None,
     ) -> Any:
-        """Begin a round in the background; ``info`` is gathered by every member."""
+        """Begin a round in the background; ``info`` is gathered by every member. ``expected``: how many
+        members we expect (ourselves included): the group may begin as soon as that many have joined,
+        instead of at the end of the matchmaking window."""
         ...
 
     def outcome(self, handle: Any, timeout: float) -> GroupOutcome: ...
@@ -90,8 +101,12 @@ class GroupTransport(Protocol):
         fp16 (fp32 for the dense weights), or with ``codec`` when given."""
         ...
 
-    def fetch(self, peer: str, name: str, timeout: float) -> Served | None:
-        """What ``peer`` serves under ``name``, or None on any failure or timeout."""
+    def fetch(
+        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+    ) -> Served | None:
+        """What ``peer`` serves under ``name``, or None on any failure or timeout. ``accept`` (picklable: it
+        may run in another process) sees the metadata first: when it refuses it, the tensors do not travel
+        (``Served(meta, [])``), so that polling a holder for a fresh copy costs a few bytes, not the copy."""
         ...
 
     def close_groups(self, groups: Sequence[Group]) -> None:
