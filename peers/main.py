@@ -131,9 +131,10 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     local, peers = claim_experts(store, me, cfg)
     trainer.setup(resume=args.resume, local_experts=local)
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
+    caught_up = None
     if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
         transport = HivemindTransport(dht, Timing.from_config(cfg.sync))
-        catch_up(transport, cfg.run_id, trainer.model, peers, timeout=cfg.sync.download_timeout_s)
+        caught_up = catch_up(transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s)
     print(
         f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "
         f"{len(peers)} other live peer(s)",
@@ -141,7 +142,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         flush=True,
     )
     last_round_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
-    trainer.sync = open_swarm_sync(cfg, dht, trainer.model, last_round_at)
+    trainer.sync = open_swarm_sync(cfg, dht, trainer.model, last_round_at, caught_up)
     return dht
 
 

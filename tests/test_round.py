@@ -94,6 +94,9 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     for p in peers:
         rec = results[p].record
         assert rec.rejected == [] and rec.dense_group == 4, rec
+        phases = rec.phase_seconds  # where the time went, adding up to the round's
+        assert list(phases) == ["matchmaking", "allreduce", "checks", "downloads", "merge"], phases
+        assert abs(sum(phases.values()) - rec.sync_seconds) < 0.01 and min(phases.values()) >= 0
         for got, want in zip(results[p].dense[1], want_dense, strict=True):
             assert torch.allclose(got, want, atol=1e-6)
         for e in experts[p]:

@@ -17,11 +17,12 @@ import functools
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import MSGPackSerializer
 
@@ -31,6 +32,7 @@ from swarm.net.transport import GroupOutcome, metadata_accepted
 MAX_INFO_BYTES = 4096
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
 BUFFER_LOCK_S = 2.0  # an all-reduce still holding the buffers after its timeout: give up the round
+FORMED_POLL_S = 0.05
 
 
 class _ServingAverager(hivemind.DecentralizedAverager):
@@ -110,9 +112,11 @@ class HivemindGroup:
                 min_matchmaking_time=matchmaking_time,
                 request_timeout=request_timeout,
                 allreduce_timeout=allreduce_timeout,
-                next_chunk_timeout=request_timeout,
-                sender_timeout=request_timeout,
-                reducer_timeout=2 * request_timeout,
+                # a busy peer (its CPUs training) can be seconds late with a part: a part that times out
+                # leaves a partial round that every member must drop, so these waits are generous
+                next_chunk_timeout=2 * request_timeout,
+                sender_timeout=2 * request_timeout,
+                reducer_timeout=4 * request_timeout,
                 compression=compression or NoCompression(),
                 state_compression=serve_compression or Float16Compression(),
                 allow_state_sharing=True,
@@ -170,11 +174,23 @@ class HivemindGroup:
         )
 
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
-        try:
-            gathered = handle.result(timeout=timeout)
-        except Exception as e:  # TimeoutError, cancelled, allreduce failure
-            handle.cancel()
-            return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
+        end, formed_at = time.monotonic() + timeout, None
+        while True:  # in short waits, to see when the group formed (the rest is the all-reduce)
+            try:
+                gathered = handle.result(timeout=max(0.0, min(FORMED_POLL_S, end - time.monotonic())))
+                break
+            except FutureTimeout as e:
+                if handle.done():  # the step's own failure, a timeout inside hivemind
+                    return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
+                if formed_at is None and handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value:
+                    formed_at = time.monotonic()
+                if time.monotonic() < end:
+                    continue
+                handle.cancel()
+                return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
+            except Exception as e:  # cancelled, allreduce failure
+                handle.cancel()
+                return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
         if not gathered:
             return GroupOutcome(False, "no group formed")
         members = {}
@@ -194,7 +210,7 @@ class HivemindGroup:
             tensors = [t.clone() for t in self.averager._averaged_tensors]
         finally:
             lock.release()
-        return GroupOutcome(True, tensors=tensors, members=members)
+        return GroupOutcome(True, tensors=tensors, members=members, formed_at=formed_at or time.monotonic())
 
     def close(self) -> None:
         try:

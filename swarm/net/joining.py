@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import hivemind
 import torch
@@ -25,6 +26,7 @@ from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
+from swarm.net.round_info import MAX_REFERENCE
 from swarm.net.transport import GroupTransport, Store
 from swarm.sync import settle_joiners
 
@@ -61,13 +63,23 @@ def _valid(tensors: list[torch.Tensor] | None, like: list[torch.Tensor]) -> bool
     )
 
 
+@dataclass(frozen=True)
+class CaughtUp:
+    """What ``catch_up`` fetched. ``reference``: with a lossy codec, the dense weights the peers' changes
+    are against, and their id (what the dense copy we took is), so that our first round's changes are too."""
+
+    dense: bool
+    experts: int
+    reference: tuple[str, list[torch.Tensor]] | None = None
+
+
 def catch_up(
     transport: GroupTransport, run_id: str, model: MoETransformer, peers: dict[str, Heartbeat], timeout: float
-) -> dict[str, int]:
-    """Overwrite ``model`` with the swarm's current weights where a peer can serve them. Returns counts of
-    what was fetched; what could not be fetched keeps the shared initialisation."""
+) -> CaughtUp:
+    """Overwrite ``model`` with the swarm's current weights where a peer can serve them. What could not
+    be fetched keeps the shared initialisation."""
     by_step = sorted(peers, key=lambda p: -peers[p].step)
-    fetched = {"dense": 0, "experts": 0}
+    fetched, reference = {"dense": 0, "experts": 0}, None
     like = dense_tensors(model)
     spec = GroupSpec(f"{run_id}_dense", (DENSE,))
     deadline = time.monotonic() + timeout
@@ -81,6 +93,9 @@ def catch_up(
             if _valid(got, like):
                 overwrite(like, got)
                 fetched["dense"] = 1
+                ref = served.meta.get("ref")
+                if isinstance(ref, str) and 0 < len(ref) <= MAX_REFERENCE:
+                    reference = (ref, [t.detach().clone() for t in got])
                 break
         else:
             time.sleep(RETRY_S)
@@ -103,11 +118,18 @@ def catch_up(
         f"{fetched['experts']}/{model.cfg.n_experts} experts fetched",
         file=sys.stderr,
     )
-    return fetched
+    return CaughtUp(bool(fetched["dense"]), fetched["experts"], reference)
 
 
-def open_swarm_sync(cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, last_round_at: float | None):
-    """The hook of a peer on hivemind: its store, transport, heartbeat (``Membership``) and ``SwarmSync``."""
+def open_swarm_sync(
+    cfg: RunConfig,
+    dht: hivemind.DHT,
+    model: MoETransformer,
+    last_round_at: float | None,
+    caught_up: CaughtUp | None = None,
+):
+    """The hook of a peer on hivemind: its store, transport, heartbeat (``Membership``) and ``SwarmSync``
+    (starting from the reference we caught up with, if any)."""
     from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
     from swarm.net.membership import Membership
     from swarm.net.swarm_sync import SwarmSync
@@ -121,4 +143,8 @@ def open_swarm_sync(cfg: RunConfig, dht: hivemind.DHT, model: MoETransformer, la
         store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
         cfg.sync.orphan_grace_s,
     )  # fmt: skip
-    return SwarmSync(cfg, store, transport, model, members, last_round_at, TrafficMeter(dht.pid))
+    sync = SwarmSync(cfg, store, transport, model, members, last_round_at, TrafficMeter(dht.pid))
+    if caught_up is not None and caught_up.reference is not None:
+        sync.ctx.payloads.adopt(GroupSpec(f"{cfg.run_id}_dense", (DENSE,)), caught_up.reference[0],
+                                {DENSE: caught_up.reference[1]})  # fmt: skip
+    return sync

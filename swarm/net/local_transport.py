@@ -25,6 +25,7 @@ processes, sockets or sleeps on the wall clock beyond the windows they configure
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -208,7 +209,8 @@ class LocalGroup:
                 return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
             time.sleep(min(POLL_S, left, max(0.0, deadline - time.monotonic())))
         self.net.close(handle)
-        return handle.results[self.me]
+        formed_at = time.monotonic() - max(0.0, time.time() - handle.closes_at)
+        return dataclasses.replace(handle.results[self.me], formed_at=formed_at)
 
     def close(self) -> None:
         self.closed = True

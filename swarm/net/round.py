@@ -150,7 +150,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         size, why, published = _checked(spec, outcome, plan, ctx, local, payload, deadline)
         checked.append((spec, group, payload, outcome, size, why, published))
     sent, codec, phases = 0, ctx.payloads.codec, _Phases(rec, t0)
-    phases.end("groups")
+    formed = [c[3].formed_at for c in checked if c[3].formed_at is not None]
+    if formed:  # the first group's: waiting for members, then the all-reduce (and publishing digests)
+        phases.end("matchmaking", at=formed[0])
+    phases.end("allreduce" if formed else "groups")
     averaged: dict[str, list[torch.Tensor]] = {}
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None
@@ -214,8 +217,8 @@ class _Phases:
     def __init__(self, rec: RoundRecord, t0: float) -> None:
         self.rec, self.mark = rec, t0
 
-    def end(self, phase: str) -> None:
-        now = time.monotonic()
+    def end(self, phase: str, at: float | None = None) -> None:
+        now = time.monotonic() if at is None else max(self.mark, at)
         self.rec.phase_seconds[phase] = round(now - self.mark, 3)
         self.mark = now
 

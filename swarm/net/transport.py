@@ -32,6 +32,7 @@ class GroupOutcome:
     reason: str = ""
     tensors: list[torch.Tensor] = field(default_factory=list)
     members: Mapping[str, dict[str, Any]] = field(default_factory=dict)  # peer id -> its round info
+    formed_at: float | None = None  # time.monotonic() when the group had formed (its members known), if seen
 
 
 @dataclass(frozen=True)
