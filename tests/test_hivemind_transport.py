@@ -80,7 +80,8 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
         before = meter.total()
         stale = transport.fetch(holder, "t_experts", timeout=20, accept=Fresh(("expert0",), 3, final=False))
         moved = meter.total() - before
-        assert stale.meta["steps"] == [2] and stale.tensors == [] and moved < 0.25 * 2 * EXPERT_NUMEL, moved
+        assert stale.meta["steps"] == [2] and stale.tensors == []
+        assert moved < 2**16, moved  # less than one streamed part of the copy
         fresh = transport.fetch(holder, "t_experts", timeout=20, accept=Fresh(("expert0",), 2, final=False))
         assert fresh.tensors[0].shape == (EXPERT_NUMEL,)
         assert transport.fetch("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo", "t_dense", 3) is None

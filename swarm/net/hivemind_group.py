@@ -24,6 +24,8 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
 from swarm.net.dht_node import as_hivemind_child, hivemind_child_signals
@@ -61,6 +63,23 @@ class _ServingAverager(hivemind.DecentralizedAverager):
     def run(self) -> None:
         as_hivemind_child()
         super().run()
+
+    def announce(self, meta: dict[str, Any]) -> None:
+        """What ``rpc_served_metadata`` answers from now on (sent to the child, which answers alone)."""
+        try:
+            self._outer_pipe.send(("_announce", [MSGPackSerializer.dumps(meta)], {}))
+        except (OSError, ValueError):  # shut down: nobody asks any more
+            pass
+
+    async def _announce(self, meta: bytes) -> None:
+        self._announced = meta
+
+    async def rpc_served_metadata(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """The served copy's metadata alone: a downloader polling for a fresh copy asks this, and neither
+        the copy nor the host process is touched (hivemind's own download pickles the copy from the host)."""
+        return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
 
     def expect_members(self, n: int | None) -> None:
         """Before a step: the group it forms may begin as soon as ``n`` members are in (runs in the child)."""
@@ -128,6 +147,7 @@ class HivemindGroup:
     def _set_served(self, meta: dict[str, Any], tensors: list[torch.Tensor] | None) -> None:
         with self.averager.serve_lock:
             self.averager.served = (dict(meta), tensors)
+            self.averager.announce(meta)  # under the lock: announcements arrive in the order of the copies
 
     def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
         """A serving group keeps ``tensors`` as given (not copied: never edit them afterwards); an averaging
@@ -231,18 +251,22 @@ def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> No
 
 async def _download(dht, node, peer: str, prefix: str, timeout: float, accept=None):
     """Runs inside the DHT process (``dht.run_coroutine``): stream one group's state from ``peer``.
-    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. The
-    metadata comes with the first part: if ``accept`` refuses it, the stream is closed there (the holder's
-    next writes fail), so that only that part travelled."""
+    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
+    ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
+    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile)."""
     import asyncio
 
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.p2p import PeerID
-    from hivemind.proto import averaging_pb2
     from hivemind.utils.streaming import combine_from_streaming
 
     async def fetch():
         stub = _ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
+        if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
+            probe = await stub.rpc_served_metadata(averaging_pb2.DownloadRequest())
+            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
+            if not metadata_accepted(accept, meta):
+                return meta, []
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         meta, parts, tensors = None, [], []
         async for msg in stream:
