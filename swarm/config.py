@@ -191,6 +191,10 @@ class SyncConfig:
     """How often and how strongly a peer synchronises with the swarm (used by the networked peer)."""
 
     sync_every: int = 100
+    # > 0: rounds start when the wall clock passes a multiple of this many seconds, on every peer at once
+    # (faster peers take more steps, which the token weights count), instead of every sync_every steps:
+    # peers whose step counts drift apart still meet within one step's time, and form whole groups
+    sync_every_s: float = 0.0
     sync_alpha: float = 1.0
     outer_momentum: float = 0.0  # Nesterov outer momentum on (average - snapshot); 0 disables
     merge_warmup_steps: int = 0
@@ -212,6 +216,9 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
+        _check(
+            self.sync_every_s == 0 or self.sync_every_s >= 1, "sync.sync_every_s", "must be 0 (off) or >= 1"
+        )
         _check(0 < self.sync_alpha <= 1, "sync.sync_alpha", "must be in (0, 1]")
         _check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")
         _check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")

@@ -38,7 +38,9 @@ def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int, sync: SyncC
     return model, SwarmSync(cfg, net.store(me), net.transport(me), model, members)
 
 
-def _train(model: MoETransformer, sync: SwarmSync, steps: int, seed: int, out: dict, me: str) -> None:
+def _train(
+    model: MoETransformer, sync: SwarmSync, steps: int, seed: int, out: dict, me: str, step_s: float = 0.15
+) -> None:
     """Stand-in for training: each step moves the local weights a little, then calls the hook."""
     gen = torch.Generator().manual_seed(seed)
     records = []
@@ -50,17 +52,18 @@ def _train(model: MoETransformer, sync: SwarmSync, steps: int, seed: int, out: d
             tokens[model.local_experts] = 64
             report = StepReport(step, 64 * step, 64, tokens, 1.0, last=step == steps)
             records += sync.after_step(model, report).records
-            threading.Event().wait(0.15)  # a step takes time: the round runs meanwhile
+            threading.Event().wait(step_s)  # a step takes time: the round runs meanwhile
         records += sync.last_round(
             model, StepReport(steps, 64 * steps, 0, torch.zeros(4, dtype=torch.long), 0.0)
         )
     out[me] = records
 
 
-def _run(peers: dict, steps: int = 30) -> dict:
+def _run(peers: dict, steps: int | dict = 30, step_s: dict | None = None) -> dict:
     out, threads = {}, []
     for i, (me, (model, sync)) in enumerate(peers.items()):
-        threads.append(threading.Thread(target=_train, args=(model, sync, steps, i, out, me)))
+        n, dt = steps[me] if isinstance(steps, dict) else steps, (step_s or {}).get(me, 0.15)
+        threads.append(threading.Thread(target=_train, args=(model, sync, n, i, out, me, dt)))
     for t in threads:
         t.start()
     for t in threads:
@@ -124,6 +127,20 @@ def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_r
         for me in experts:
             for got, w in zip(expert_tensors(peers[me][0], e), want, strict=True):
                 assert torch.allclose(got, w, atol=2e-3 * max(1.0, w.abs().max().item())), (e, me)
+
+
+def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apart():
+    sync = dataclasses.replace(SYNC, sync_every_s=1.0)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    # a takes 2.5 steps for each of b's: with sync_every (5) steps they would rarely be in a round together
+    out = _run(peers, steps={"a": 40, "b": 16}, step_s={"a": 0.08, "b": 0.2})
+    ordinary = {me: [rec for rec in out[me] if rec.started and not rec.last] for me in "ab"}
+    for me in "ab":
+        assert sum(rec.clean and rec.dense_group == 2 for rec in ordinary[me]) >= 2, ordinary[me]
+    # the same rounds, at very different steps
+    steps = [(ra.step, rb.step) for ra, rb in zip(ordinary["a"], ordinary["b"], strict=False)]
+    assert len(steps) >= 2 and all(sa > 1.5 * sb for sa, sb in steps), steps
 
 
 def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():

@@ -4,7 +4,8 @@
     reply = sync.after_step(model, report)   # starts rounds, applies finished ones; reply.switch_to
     records = sync.last_round(model, report) # the last round and the final agreement (``last_round``)
 
-Every ``sync_every`` steps a round (``swarm.net.round.run_round``) starts in a background thread on a
+Every ``sync_every`` steps (or, with ``sync_every_s``, at each new slot of the wall clock, on all peers at
+once) a round (``swarm.net.round.run_round``) starts in a background thread on a
 snapshot of the trainable tensors while training goes on; its result is applied at a later step as
 theta <- theta + alpha * (a - s), keeping the steps taken meanwhile. A round that overruns its bound is
 abandoned, never awaited: the next sync point starts a new one.
@@ -55,6 +56,7 @@ class SwarmSync:
         )
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
         self._step_tokens, self.round_index, self.leaving = 0, 0, False
+        self._slot: int | None = None  # the wall-clock slot of the last step (sync_every_s)
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
         self._in_flight_until = 0.0  # monotonic time after which a round still running is abandoned
@@ -70,7 +72,7 @@ class SwarmSync:
         self.members.report_step(report.step, report.tokens, report.loss, report.step_tokens)
         self._step_tokens = report.step_tokens or self._step_tokens
         records = self.apply_finished(model)
-        if report.step % self.sc.sync_every == 0 and not report.last:  # a last step gets the last round
+        if self._sync_point(report.step) and not report.last:  # a last step gets the last round
             if self.round_running():
                 why = "previous round still in flight"
                 records.append(RoundRecord(step=report.step, round=self.round_index, reason=why))
@@ -79,6 +81,16 @@ class SwarmSync:
             else:
                 self.start_round(model, report.step)
         return SyncReply(records, self.members.claimed)
+
+    def _sync_point(self, step: int) -> bool:
+        """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
+        clock (not at once after joining: the first slot seen only sets where we are)."""
+        if self.sc.sync_every_s <= 0:
+            return step % self.sc.sync_every == 0
+        slot = int(time.time() // self.sc.sync_every_s)
+        due = self._slot is not None and slot > self._slot
+        self._slot = slot
+        return due
 
     def _near_last_round(self) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
