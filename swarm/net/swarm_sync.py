@@ -76,7 +76,7 @@ class SwarmSync:
             if self.round_running():
                 why = "previous round still in flight"
                 records.append(RoundRecord(step=report.step, round=self.round_index, reason=why))
-            elif self._near_last_round():
+            elif self._near_last_round(report):
                 records.append(RoundRecord(step=report.step, reason="too close to the last round"))
             else:
                 self.start_round(model, report.step)
@@ -92,10 +92,14 @@ class SwarmSync:
         self._slot = slot
         return due
 
-    def _near_last_round(self) -> bool:
+    def _near_last_round(self, report: StepReport) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
-        opens (it would meet the last round's steps, and that mixed group is dropped by all)."""
-        t, at = self.timing, self.last_round_at
+        opens (it would meet the last round's steps, and that mixed group is dropped by all). With rounds
+        on the wall clock, also within ``sync_every`` steps of the step limit (others may be in their last
+        round by then; by steps, the limit is a sync point itself)."""
+        t, at, left = self.timing, self.last_round_at, report.steps_left
+        if self.sc.sync_every_s > 0 and left is not None and left < self.sc.sync_every:
+            return True
         return at is not None and time.time() + t.ordinary_matchmaking_s >= at - t.matchmaking_s
 
     def experts_changed(self, model: MoETransformer) -> None:

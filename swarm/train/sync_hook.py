@@ -25,6 +25,7 @@ class StepReport:
     expert_tokens: torch.Tensor  # [E] token copies routed to each expert in this step, all layers
     loss: float
     last: bool = False  # the trainer stops after this step (its step or time limit is reached)
+    steps_left: int | None = None  # until the step limit (None: unknown)
 
 
 @dataclass(frozen=True)

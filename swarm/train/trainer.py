@@ -337,6 +337,7 @@ class Trainer:
                     rec.pop("expert_tokens"),
                     rec["loss"],
                     last=self.step == target or out_of_time,
+                    steps_left=target - self.step,
                 )
                 reply = self.sync.after_step(self.model, report)
                 records, wanted = [r.to_dict() for r in reply.records], reply.switch_to
