@@ -141,19 +141,20 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this
     # one waiting (a group's digests would otherwise arrive one group's wait apart)
-    checked = []
+    checked, outcomes_in = [], t0
     for spec, group, started_as in started:
         outcome, payload = GroupOutcome(False, "not started"), None
         if started_as is not None:
             handle, payload = started_as
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
+            outcomes_in = time.monotonic()
         size, why, published = _checked(spec, outcome, plan, ctx, local, payload, deadline)
         checked.append((spec, group, payload, outcome, size, why, published))
     sent, codec, phases = 0, ctx.payloads.codec, _Phases(rec, t0)
     formed = [c[3].formed_at for c in checked if c[3].formed_at is not None]
-    if formed:  # the first group's: waiting for members, then the all-reduce (and publishing digests)
+    if formed:  # the first group's: waiting for members, then the all-reduce (until the last outcome)
         phases.end("matchmaking", at=formed[0])
-    phases.end("allreduce" if formed else "groups")
+    phases.end("allreduce" if formed else "groups", at=outcomes_in)
     averaged: dict[str, list[torch.Tensor]] = {}
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None

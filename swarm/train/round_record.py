@@ -35,8 +35,8 @@ class RoundRecord:
     host_bytes: int = 0  # host memory the round held until applied
     sync_seconds: float = 0.0
     # where the round's time went: "matchmaking" (until the first group formed: waiting for its members),
-    # "allreduce" (until every group's outcome is in and our digests are published; "groups" for both when
-    # no group formed), "checks" (the others' digests, tensor checks), "downloads" (non-local experts),
+    # "allreduce" (until every group's outcome is in; "groups" for both when no group formed), "checks"
+    # (publishing our digests, awaiting the others', tensor checks), "downloads" (non-local experts),
     # "merge"
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wire_total: int | None = None  # our p2pd's count (both directions) at the round's end, since we started
