@@ -1,5 +1,6 @@
 """The hivemind transport with real hivemind processes on 127.0.0.1: groups, serving, consensus, records."""
 
+import faulthandler
 import multiprocessing as mp
 import signal
 import sys
@@ -28,6 +29,10 @@ TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.
 
 def _member(i, maddrs, out):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our DHT and p2pd
+    # forked from a worker whose OpenMP pool earlier tests used: a parallel torch op (filling the 1M-value
+    # copy below) would wait forever for the pool's threads, which the fork did not copy
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(60, exit=False)  # a member still here after 60 s says where it is
     dht = start_dht(maddrs)
     try:
         transport = HivemindTransport(dht, TIMING)
