@@ -212,7 +212,8 @@ class SyncConfig:
     # sends the change since the last agreed state, plus what it dropped last round (error feedback)
     codec: Literal["fp32", "fp16", "int8"] = "fp32"
     error_feedback: bool = True
-    refresh_every: int = 1  # non-local experts' copies are downloaded every this many rounds
+    # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
+    refresh_every: int = 1
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")

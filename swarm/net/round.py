@@ -55,6 +55,10 @@ class RoundPlan:
     # no partner in view (MembershipView.partners): the dense group is not started (its matchmaking window
     # would be spent for nothing), it only serves our copy, which a joiner catches up from
     alone: bool = False
+    # a refresh round (every ``sync.refresh_every``-th sync point of the swarm, the same on every peer):
+    # holders advance the copies they serve and downloaders fetch them only then, so a downloader's copy is
+    # the one the holder's next change is taken against
+    refresh: bool = True
 
 
 @dataclass
@@ -113,7 +117,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     result = RoundResult(rec)
     local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)
-    ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
+    if plan.refresh:
+        ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
@@ -182,7 +187,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 _serve_quietly(group, served, meta | {"ref": ref_id}, rec)
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
-            ctx.server.update(copies, plan.step, final=False)
+            if plan.refresh:
+                ctx.server.update(copies, plan.step, final=False)
     phases.end("checks")
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])
@@ -192,7 +198,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
 
     got: dict[int, list[torch.Tensor]] = {}
     # after a last round, copies are fetched once the holders have settled them (last_round)
-    if not plan.last and plan.index % ctx.sync.refresh_every == 0:
+    if not plan.last and plan.refresh:
         holders = {
             e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
         }

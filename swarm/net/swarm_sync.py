@@ -57,6 +57,7 @@ class SwarmSync:
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
         self._step_tokens, self.round_index, self.leaving = 0, 0, False
         self._slot: int | None = None  # the wall-clock slot of the last step (sync_every_s)
+        self._point = 0  # the swarm's number of the last sync point (its slot, or step // sync_every)
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
         self._in_flight_until = 0.0  # monotonic time after which a round still running is abandoned
@@ -86,10 +87,11 @@ class SwarmSync:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
         clock (not at once after joining: the first slot seen only sets where we are)."""
         if self.sc.sync_every_s <= 0:
+            self._point = step // self.sc.sync_every
             return step % self.sc.sync_every == 0
         slot = int(time.time() // self.sc.sync_every_s)
         due = self._slot is not None and slot > self._slot
-        self._slot = slot
+        self._slot = self._point = slot
         return due
 
     def _near_last_round(self, report: StepReport) -> bool:
@@ -143,6 +145,7 @@ class SwarmSync:
             scheduled,
             last=scheduled is not None or self.leaving,
             alone=not self.members.view.partners(self.ctx.me),
+            refresh=self._point % self.sc.refresh_every == 0,
         )
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
