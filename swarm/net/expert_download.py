@@ -5,7 +5,8 @@
 
 Each holder serves its local experts under one name (``<run>_experts``): one request brings every expert a
 holder has that we want. The freshest holder of each expert is asked first, a second holder for what the
-first could not give. In an ordinary round a holder still in the same round is asked again until the
+first could not give; holders are asked at once (a thread each), so a round waits for the slowest, not for
+their sum. In an ordinary round a holder still in the same round is asked again until the
 deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
 round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
 the tensor checks against ours, and stays fp16 as it travelled.
@@ -17,9 +18,11 @@ fits our copy exactly (by hash; the result is checked by hash too); anything els
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +52,7 @@ class ExpertDownloads:
         self.download_s, self.max_rel_distance = download_s, max_rel_distance
         self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
+        self._received_lock = threading.Lock()  # holders are asked from threads of their own
 
     def fetch(
         self,
@@ -70,37 +74,46 @@ class ExpertDownloads:
             for e, hs in ranked.items():
                 if e not in got and attempt < len(hs):
                     by_peer.setdefault(hs[attempt], []).append(e)
-            for (peer, peer_step), wanted in by_peer.items():
-                if self.deltas_name and not final:  # the changes since our copy, where they fit it
-                    fits = [e for e in wanted if self._source.get(e) == peer]
-                    changed = self._changes(peer, peer_step, fits, mine, step, deadline) if fits else {}
-                    self._accept(peer, changed, mine, got, rejected)
-                    wanted = [e for e in wanted if e not in got]
-                    if not wanted:
-                        continue
-                served = self._fresh(peer, peer_step, wanted, step, final, deadline, failures)
-                if served is None:
-                    continue
-                items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
-                copies = {}
-                for e in wanted:
-                    tensors = items.get(expert_item(e))
-                    if tensors is None:
-                        failures.append(f"expert{e} from {peer[-8:]}: not served")
-                        continue
-                    # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
-                    copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
-                self._accept(peer, copies, mine, got, rejected)
+            if not by_peer:
+                break
+            with ThreadPoolExecutor(len(by_peer), thread_name_prefix="swarm-download") as pool:
+                asked = [
+                    pool.submit(self._from_holder, peer, peer_step, wanted, mine, step, final, deadline)
+                    for (peer, peer_step), wanted in by_peer.items()
+                ]
+                answers = [(peer, a.result()) for (peer, _), a in zip(by_peer, asked, strict=True)]
+            for peer, answer in answers:
+                got |= answer.copies
+                self._source |= dict.fromkeys(answer.copies, peer)
+                rejected += answer.rejected
+                failures += answer.failures
         return got, rejected, failures
 
-    def _accept(self, peer: str, copies: Mapping[int, list[torch.Tensor]], mine, got, rejected) -> None:
-        for e, tensors in copies.items():
-            try:
-                check_tensors(f"expert{e}", tensors, mine[e], self.max_rel_distance)
-            except RejectedTensor as err:
-                rejected.append(str(err))
+    def _from_holder(
+        self, peer: str, peer_step: int, wanted: list[int], mine, step: int, final: bool, deadline: float
+    ) -> _HolderAnswer:
+        answer = _HolderAnswer()
+        if self.deltas_name and not final:  # the changes since our copy, where they fit it
+            fits = [e for e in wanted if self._source.get(e) == peer]
+            changed = self._changes(peer, peer_step, fits, mine, step, deadline) if fits else {}
+            answer.accept(changed, mine, self.max_rel_distance)
+            wanted = [e for e in wanted if e not in answer.copies]
+            if not wanted:
+                return answer
+        served = self._fresh(peer, peer_step, wanted, step, final, deadline, answer.failures)
+        if served is None:
+            return answer
+        items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
+        copies = {}
+        for e in wanted:
+            tensors = items.get(expert_item(e))
+            if tensors is None:
+                answer.failures.append(f"expert{e} from {peer[-8:]}: not served")
                 continue
-            got[e], self._source[e] = tensors, peer
+            # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
+            copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
+        answer.accept(copies, mine, self.max_rel_distance)
+        return answer
 
     def _changes(
         self, peer: str, peer_step: int, wanted: list[int], mine, step: int, deadline: float
@@ -154,10 +167,12 @@ class ExpertDownloads:
             served = self.transport.fetch(peer, name or self.server_name, min(left, self.download_s), fresh)
             if served is not None:  # every answer counts: tensors travel whole, or not at all (``fresh``)
                 encoded = name is not None and name == self.deltas_name
-                self.received += sum(
+                moved = sum(
                     self.codec.wire_bytes(t.numel()) if encoded else t.numel() * t.element_size()
                     for t in served.tensors
                 )
+                with self._received_lock:
+                    self.received += moved
             if served is None:
                 failures.append(f"{label}: no answer")
                 return latest
@@ -179,6 +194,24 @@ class ExpertDownloads:
             elif min(s for s, _ in copies) >= step or peer_step < step:
                 return served  # fresh from this round, or from a holder behind us (taken as it is)
             time.sleep(RETRY_S)
+
+
+@dataclass
+class _HolderAnswer:
+    """What one holder gave: checked copies, and why the rest did not come."""
+
+    copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    rejected: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def accept(self, copies: Mapping[int, list[torch.Tensor]], mine, max_rel_distance: float) -> None:
+        for e, tensors in copies.items():
+            try:
+                check_tensors(f"expert{e}", tensors, mine[e], max_rel_distance)
+            except RejectedTensor as err:
+                self.rejected.append(str(err))
+                continue
+            self.copies[e] = tensors
 
 
 @dataclass(frozen=True)
