@@ -118,7 +118,10 @@ def served_dense(spec: GroupSpec, meta: Mapping, tensors: list[torch.Tensor], n:
     weight 1), or None if it serves something else."""
     if not isinstance(meta, Mapping) or meta.get("items") != [DENSE] or len(tensors) != n + 1:
         return None
-    return unpack(spec, [t.float() for t in tensors], {DENSE: n})[0][DENSE]
+    try:  # the weights tensor comes from another peer too: any shape
+        return unpack(spec, [t.float() for t in tensors], {DENSE: n})[0][DENSE]
+    except (ValueError, TypeError, RuntimeError):
+        return None
 
 
 class OpenGroups:

@@ -8,15 +8,20 @@ peer that dies disappears by itself. Values are plain msgpack types (hivemind's 
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import hivemind
 
 from swarm.net.transport import Store
 
+log = logging.getLogger(__name__)
 CONFIG_TTL_S = 24 * 3600.0
+STATES = ("joining", "training", "finishing", "done", "leaving")
+MAX_EXPERTS = 4096  # more experts than any record may name (a bound on what a reader accepts)
+MAX_COUNT = 2**62  # counters (steps, tokens, bytes) above this are not real
 
 
 class FingerprintMismatch(RuntimeError):
@@ -41,7 +46,6 @@ class Heartbeat:
     rounds_failed: int = 0
     period_s: float = 0.0  # how often this peer publishes (readers call it stale after two missed periods)
     sent_at: float | None = None  # DHT time of publication, set by publish_heartbeat
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
@@ -51,16 +55,34 @@ class Heartbeat:
 
     @classmethod
     def from_value(cls, value: Any) -> Heartbeat | None:
-        """Parse a record written by another peer; anything malformed is ignored (None)."""
-        if not isinstance(value, dict):
+        """Parse a record written by another peer: every field of the right type and range, or None (a
+        malformed record is ignored whole: one wrong field makes the rest untrustworthy)."""
+        if not isinstance(value, dict) or not isinstance(value.get("experts"), list):
             return None
-        try:
-            hb = cls(**{k: value[k] for k in cls.__dataclass_fields__ if k in value})
-        except TypeError:
+        experts = value["experts"]
+        if len(experts) > MAX_EXPERTS or len(set(experts)) != len(experts) or not all(
+            _whole(e, top=MAX_EXPERTS - 1) for e in experts
+        ):  # fmt: skip
             return None
-        if not isinstance(hb.experts, list) or not all(isinstance(e, int) for e in hb.experts):
-            return None
-        return hb
+        fields = {k: value[k] for k in cls.__dataclass_fields__ if k in value}
+        counts = ("step", "tokens", "bytes_sent", "bytes_recv", "rounds_ok", "rounds_failed")
+        ok = (
+            all(_whole(fields.get(k, 0)) for k in counts)
+            and _whole(fields.get("last_round", -1), low=-1)
+            and all(_real(fields.get(k, 0.0), low=0.0) for k in ("tokens_per_s", "period_s"))
+            and all(fields.get(k) is None or _real(fields[k]) for k in ("loss", "last_round_time", "sent_at"))
+            and fields.get("state", "joining") in STATES
+        )
+        return cls(**fields) if ok else None
+
+
+def _whole(v: Any, low: int = 0, top: int = MAX_COUNT) -> bool:
+    """An int in [low, top] (a bool is an int to Python, not to a record)."""
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= top
+
+
+def _real(v: Any, low: float = -math.inf) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
 
 
 def as_store(store_or_dht: Store | hivemind.DHT) -> Store:
@@ -121,7 +143,19 @@ def read_records(
         hb = Heartbeat.from_value(value)
         if hb is not None:
             out[subkey] = (hb, expiration)
+        else:
+            dropped_once(f"malformed heartbeat from {subkey[-12:]!r} ignored: {str(value)[:80]}")
     return out
+
+
+_said: set[str] = set()
+
+
+def dropped_once(message: str) -> None:
+    """Log what was dropped, once per distinct message (a bad record is read again every heartbeat)."""
+    if message not in _said and len(_said) < 10_000:
+        _said.add(message)
+        log.warning(message)
 
 
 def read_heartbeats(

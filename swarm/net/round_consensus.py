@@ -13,6 +13,7 @@ rounding (members add deltas in a different order), sensitive to any part left u
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,9 @@ REL_TOLERANCE = 1e-4
 
 
 def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> str:
-    blob = msgpack.packb(sorted((peer, sorted(info.items())) for peer, info in members.items()))
+    # a member's info is what it sent: keys of any msgpack type (sorted as text, never compared raw)
+    infos = ((peer, sorted(info.items(), key=lambda kv: repr(kv[0]))) for peer, info in members.items())
+    blob = msgpack.packb(sorted(infos, key=lambda pi: pi[0]))
     return f"{run_id}_digest_{prefix}_{hashlib.sha256(blob).hexdigest()[:24]}"
 
 
@@ -74,8 +77,8 @@ def digests_agree(
     """Whether two digests agree within ``tolerance`` of each segment's sum of |x|, plus ``floor`` (per
     segment: the sums of |x| of what we sent, when members' results may differ by the codec's error of
     mean - own, which can exceed the mean when the members' changes cancel out)."""
-    if len(a) != len(b) or not all(isinstance(x, (int, float)) for x in (*a, *b)):
-        return False  # another peer's digest may be anything
+    if len(a) != len(b) or not all(_real(x) for x in (*a, *b)):
+        return False  # another peer's digest may be anything (a NaN would agree with every digest)
     if floor is not None and len(floor) * 2 != len(a):
         return False
     for i in range(0, len(a), 2):
@@ -118,3 +121,7 @@ def await_digests(
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
