@@ -121,7 +121,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         args.initial_peers, host=args.host, port=args.port, identity_path=args.identity, use_nat=args.use_nat
     )
     me, store = dht.peer_id.to_base58(), HivemindStore(dht)
-    check_or_publish_fingerprint(store, cfg.run_id, cfg.fingerprint())
+    check_or_publish_fingerprint(store, cfg.run_id, me, cfg.fingerprint())
     if cfg.data.seed is None:  # each peer samples its own windows
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
     # The optimizer's first add_param_group imports torch._dynamo, seconds of CPU: done while the claim

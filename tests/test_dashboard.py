@@ -184,40 +184,42 @@ def test_dashboard_serves_what_the_dht_holds():
     try:
         maddrs = visible_maddrs(boot)
         watcher, reader = start_dht(maddrs, client_mode=True), start_dht(maddrs, client_mode=True)
-        dhts += [watcher, reader]
+        alive, dies = start_dht(maddrs), start_dht(maddrs)  # each peer signs its own heartbeat
+        dhts += [watcher, reader, alive, dies]
+        alive_id, dies_id = alive.peer_id.to_base58(), dies.peer_id.to_base58()
         cfg = ViewConfig(run_id="dashtest", n_experts=6, poll_s=0.5, read_timeout_s=3)
         board = Dashboard.start(watcher, cfg, port=0)
 
-        def publish(pid, experts, **kw):  # period 1 s, TTL 3 s, like a peer's heartbeat
+        def publish(node, experts, **kw):  # period 1 s, TTL 3 s, like a peer's heartbeat
             hb = Heartbeat(experts=experts, state="training", period_s=1.0, **kw)
-            assert publish_heartbeat(boot, "dashtest", pid, hb, ttl_s=3.0)
+            assert publish_heartbeat(node, "dashtest", node.peer_id.to_base58(), hb, ttl_s=3.0)
 
         def keep_alive():
             step = 0
             while not stop.wait(0.5):
                 step += 1
-                publish("peer-alive", [0, 1, 2], step=step, tokens=64 * step, loss=3.0, tokens_per_s=99.0)
+                publish(alive, [0, 1, 2], step=step, tokens=64 * step, loss=3.0, tokens_per_s=99.0)
 
-        publish("peer-alive", [0, 1, 2])
-        publish("peer-dies", [2, 3], step=5, rounds_ok=2, bytes_sent=1000, bytes_recv=3000)
+        publish(alive, [0, 1, 2])
+        publish(dies, [2, 3], step=5, rounds_ok=2, bytes_sent=1000, bytes_recv=3000)
         died_at = time.time()
         threading.Thread(target=keep_alive, daemon=True).start()
         wait_until(lambda: len(_state(board.url)["peers"]) == 2, 20, "both peers on the dashboard")
         state = agree_with_dht(board.url, reader, "dashtest", 6)
-        assert {p["peer_id"]: p["status"] for p in state["peers"]}["peer-dies"] in ("online", "stale")
-        dies = next(p for p in state["peers"] if p["peer_id"] == "peer-dies")
-        assert dies["bytes_per_round"] == 2000 and dies["short_id"] == "eer-dies"
+        assert {p["peer_id"]: p["status"] for p in state["peers"]}[dies_id] in ("online", "stale")
+        dying = next(p for p in state["peers"] if p["peer_id"] == dies_id)
+        assert dying["bytes_per_round"] == 2000 and dying["short_id"] == dies_id[-8:]
 
         code, ctype, body = _get(board.url + "metrics")
         assert code == 200 and ctype.startswith("text/plain") and b"swarm_experts_covered" in body
 
         status = lambda: {p["peer_id"]: p["status"] for p in _state(board.url)["peers"]}  # noqa: E731
-        wait_until(lambda: status()["peer-dies"] == "stale", 10, "the silent peer stale")
+        wait_until(lambda: status()[dies_id] == "stale", 10, "the silent peer stale")
         assert time.time() - died_at <= 2 * 1.0 + 1.5  # two periods after its last heartbeat (+ slack)
-        wait_until(lambda: status()["peer-dies"] == "offline", 10, "the silent peer offline")
+        wait_until(lambda: status()[dies_id] == "offline", 10, "the silent peer offline")
         assert time.time() - died_at <= 3 * 1.0 + 3.0  # once its record expired (+ polls)
         state = agree_with_dht(board.url, reader, "dashtest", 6)
-        assert state["summary"]["uncovered"] == [3, 4, 5] and status()["peer-alive"] == "online"
+        assert state["summary"]["uncovered"] == [3, 4, 5] and status()[alive_id] == "online"
         assert state["summary"]["rounds_ok"] == 2  # counted while it lived, kept after
 
         # the page and its assets come from the package; nothing from elsewhere

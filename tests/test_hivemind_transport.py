@@ -157,33 +157,46 @@ def test_round_confirmed_only_when_every_member_agrees():
         ok, why = confirm_round(store1, "t_key1", me, [me, other], d, timeout=2.0)
         assert not ok and "no digest" in why
         # it reports a different result (part of the tensor never averaged): rejected
-        dht2.store("t_key2", digest([torch.full((100,), 2.0)]), time.time() + 60, subkey=other)
+        store2 = HivemindStore(dht2)
+        store2.put("t_key2", digest([torch.full((100,), 2.0)]), time.time() + 60, subkey=other)
         ok, why = confirm_round(store1, "t_key2", me, [me, other], d, timeout=5.0)
         assert not ok and "differs" in why
-        dht2.store("t_key3", d, time.time() + 60, subkey=other)
+        store2.put("t_key3", d, time.time() + 60, subkey=other)
         assert confirm_round(store1, "t_key3", me, [me, other], d, timeout=5.0) == (True, "")
     finally:
         dht2.shutdown()
         dht1.shutdown()
 
 
-def test_heartbeats_round_trip_and_ignore_malformed_records():
-    dht = start_dht()
+def test_heartbeats_are_signed_nobody_writes_another_peers_and_malformed_ones_are_ignored():
+    honest = start_dht()
+    forger = start_dht(visible_maddrs(honest))  # a member with its own key, attacking with plain hivemind
     try:
-        publish_heartbeat(
-            dht, "t_run", "peerA", Heartbeat(experts=[1, 2], step=5, loss=float("nan")), ttl_s=30
+        store = HivemindStore(honest)
+        me = store.me
+        hb = Heartbeat(experts=[1, 2], step=5, loss=float("nan"), state="training")
+        assert publish_heartbeat(honest, "t_run", me, hb, ttl_s=30)
+        fake = Heartbeat(experts=[0, 1, 2, 3], step=10**9, loss=0.001, state="training").to_value()
+        later = time.time() + 40  # would replace the honest record, were it accepted
+        # the honest peer's own subkey (its owner tag), signed by another key: refused by the DHT
+        assert not forger.store("t_run_peers", fake, later, subkey=store.owner)
+        # the honest peer's id as a plain subkey: stored, but nobody reads an unsigned record
+        assert forger.store("t_run_peers", fake, later, subkey=me)
+        # the forger's own signed record, malformed: ignored too
+        assert HivemindStore(forger).put(
+            "t_run_peers", fake | {"step": "1"}, later, subkey=forger.identity.peer_id
         )
-        dht.store("t_run_peers", {"experts": "not a list"}, time.time() + 30, subkey="peerB")
-        dht.store("t_run_peers", 12345, time.time() + 30, subkey="peerC")
-        beats = read_heartbeats(dht, "t_run")
-        assert set(beats) == {"peerA"}
-        hb, _ = beats["peerA"]
-        assert hb.experts == [1, 2] and hb.step == 5 and hb.loss is None
+        with pytest.raises(ValueError):
+            HivemindStore(forger).put("t_run_peers", fake, later, subkey=me)
+        for reader in (honest, forger):
+            beats = read_heartbeats(reader, "t_run")
+            assert set(beats) == {me} and beats[me][0].step == 5 and beats[me][0].loss is None
         # leaving takes effect at once (a shorter-lived record would be ignored by hivemind)
-        withdraw_heartbeat(dht, "t_run", "peerA", hb, ttl_s=30)
-        assert read_heartbeats(dht, "t_run") == {}
+        withdraw_heartbeat(honest, "t_run", me, hb, ttl_s=30)
+        assert read_heartbeats(forger, "t_run") == {}
     finally:
-        dht.shutdown()
+        forger.shutdown()
+        honest.shutdown()
 
 
 def test_groups_hold_host_fp32_tensors_whatever_the_models_device():

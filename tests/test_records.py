@@ -5,7 +5,13 @@ import math
 import pytest
 
 from swarm.net.local_transport import LocalNetwork
-from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats
+from swarm.net.records import (
+    FingerprintMismatch,
+    Heartbeat,
+    check_or_publish_fingerprint,
+    publish_heartbeat,
+    read_heartbeats,
+)
 
 GOOD = Heartbeat(experts=[1, 2], step=5, tokens=640, loss=3.25, state="training", period_s=1.0).to_value()
 
@@ -55,8 +61,23 @@ def test_readers_skip_malformed_records_and_say_so_once(caplog):
     net = LocalNetwork()
     store = net.store("a")
     publish_heartbeat(store, "r", "a", Heartbeat(experts=[0], step=3, state="training"), ttl_s=30)
-    store.put("r_peers", GOOD | {"step": "1000000000"}, store.now() + 30, subkey="forger")
+    forger = net.store("forger")
+    forger.put("r_peers", GOOD | {"step": "1000000000"}, store.now() + 30, subkey="forger")
+    with pytest.raises(ValueError):  # nobody writes another peer's record (on hivemind: signed subkeys)
+        forger.put("r_peers", GOOD | {"step": 10**9}, store.now() + 30, subkey="a")
     with caplog.at_level("WARNING", logger="swarm.net.records"):
         for _ in range(3):
             assert set(read_heartbeats(store, "r")) == {"a"}
     assert len([r for r in caplog.records if "forger" in r.getMessage()]) == 1
+
+
+def test_a_runs_fingerprint_is_each_peers_own_record_and_one_writer_cannot_lock_the_run():
+    net = LocalNetwork()
+    check_or_publish_fingerprint(net.store("a"), "r", "a", "model-1")  # the first peer publishes
+    check_or_publish_fingerprint(net.store("b"), "r", "b", "model-1")
+    stranger = net.store("x")  # writes another fingerprint, without asking
+    stranger.put("r_config", "locked", stranger.now() + 60, subkey="x")
+    check_or_publish_fingerprint(net.store("c"), "r", "c", "model-1")  # joins: the run has its peers
+    with pytest.raises(FingerprintMismatch, match=r"fingerprint model-1 from 3 peer\(s\), ours model-2"):
+        check_or_publish_fingerprint(net.store("d"), "r", "d", "model-2")
+    assert set(net.store("a").get_subkeys("r_config")) == {"a", "b", "x", "c"}  # d published nothing

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import hivemind
+
+from swarm.net.dht_auth import SwarmKeyAuthorizer
+from swarm.net.identity import IdentityError, PeerIdentity
+from swarm.net.swarm_key import SwarmKey
 
 
 class DHTStartError(RuntimeError):
@@ -32,8 +37,12 @@ def start_dht(
     use_nat: bool = False,
     announce_host: str | None = None,
     wait_timeout: float = 30.0,
+    swarm_key: SwarmKey | None = None,
 ) -> hivemind.DHT:
-    """Start a DHT node in a background process and return it once it is ready."""
+    """Start a DHT node in a background process and return it once it is ready. Its peer id is an RSA key
+    (``identity_path``: kept there, created if absent; else a new one), which also signs its records
+    (``dht.identity``; ``swarm.net.identity``). With ``swarm_key``, it talks only to nodes that hold the
+    key (``swarm.net.dht_auth``); ``dht.swarm_key`` is kept for the groups and readers that check members."""
     ip = "ip6" if ":" in host else "ip4"
     kwargs = dict(
         initial_peers=list(initial_peers),
@@ -49,17 +58,39 @@ def start_dht(
     )
     if announce_host:
         kwargs["announce_maddrs"] = [f"/{ip}/{announce_host}/tcp/{port}"]
-    if identity_path is not None:
-        kwargs["identity_path"] = str(identity_path)
+    with contextlib.ExitStack() as stack:
+        if identity_path is not None:
+            fresh = not Path(identity_path).exists()
+            try:
+                identity = PeerIdentity.load_or_create(identity_path)
+            except IdentityError as e:
+                raise DHTStartError(str(e)) from None
+        else:  # p2pd reads its key from a file: a private one, gone once the node has started
+            fresh, identity = True, PeerIdentity.create()
+            identity_path = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "peer.id"
+            identity.write(identity_path)
+        # a key made just now cannot be in use: skip hivemind's check, which asks the initial peers
+        kwargs |= dict(identity_path=str(identity_path), check_if_identity_free=not fresh)
+        kwargs["record_validators"] = [identity.validator()]
+        if swarm_key is not None:
+            kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
+        dht = _started(kwargs, wait_timeout)
+    if dht.peer_id.to_base58() != identity.peer_id:  # records would be signed by a key that is not ours
+        dht.shutdown()
+        raise DHTStartError(f"the DHT node's peer id is not its identity's ({identity_path})")
+    dht.identity, dht.swarm_key = identity, swarm_key
+    return dht
+
+
+def _started(kwargs: dict, wait_timeout: float) -> hivemind.DHT:
     try:
         with hivemind_child_signals():
             dht = _DHT(**kwargs)
         dht.wait_until_ready(timeout=wait_timeout)
     except Exception as e:  # hivemind raises several types; the user needs one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DHTStartError(
-            f"could not start the DHT node ({msg}); check --initial-peers and the address"
-        ) from None
+        hint = "the address, and that this node has the swarm key (--swarm-key)"
+        raise DHTStartError(f"could not start the DHT node ({msg}); check --initial-peers, {hint}") from None
     return dht
 
 
@@ -86,7 +117,12 @@ def hivemind_child_signals():
 
 def as_hivemind_child() -> None:
     """First thing in a hivemind process forked under ``hivemind_child_signals``: Ctrl+C ignored (the
-    parent shuts it down), SIGTERM kills it, then signals are taken again."""
+    parent shuts it down), SIGTERM kills it, then signals are taken again. Its torch runs on one thread:
+    OpenMP's pool does not survive a fork, and a parallel region in a child forked after the parent used it
+    can hang forever (seen: a served copy compressed in an averager, a download decoded in the DHT)."""
+    import torch
+
+    torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

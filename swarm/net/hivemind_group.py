@@ -8,7 +8,10 @@
 Peers that use the same name are matched by hivemind into one group. Members average with equal weight
 (the weights travel inside the tensors). hivemind reports success for partially averaged tensors and
 trusts every sender (NOTES.md): the round verifies every outcome before using it. The served copy is held
-apart from the averaging buffer, so a download never sees a half-averaged tensor.
+apart from the averaging buffer, so a download never sees a half-averaged tensor. With a swarm key
+(``start_dht(swarm_key=...)``), every member's info carries its member token, and a group with a member
+that has none is refused by every other member before its tensors are used (``ServingAverager`` already
+turns such a peer away at the door).
 """
 
 from __future__ import annotations
@@ -24,82 +27,15 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
-from swarm.net.dht_node import as_hivemind_child, hivemind_child_signals
-from swarm.net.transport import GroupOutcome, metadata_accepted
+from swarm.net.dht_node import hivemind_child_signals
+from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy
+from swarm.net.transport import GroupOutcome
 
-MAX_INFO_BYTES = 4096
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
 BUFFER_LOCK_S = 2.0  # an all-reduce still holding the buffers after its timeout: give up the round
 FORMED_POLL_S = 0.05
-
-
-class _ServingAverager(hivemind.DecentralizedAverager):
-    """Serves the copy set by ``HivemindGroup.serve`` plus its metadata (runs in the host process)."""
-
-    def get_current_state(self):
-        lock = getattr(self, "serve_lock", None)
-        if lock is None:
-            return {}, [], None
-        with lock:
-            meta, tensors = dict(self.served[0]), self.served[1]
-        if not meta:  # not serving (before the first round, or while the buffers are being averaged)
-            return {}, [], None
-        if tensors is None:  # an averaging group serves its buffers, which hold its last result
-            with self.get_tensors() as buffers:
-                tensors = [t.clone() for t in buffers]
-        return meta, list(tensors), None
-
-    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        # hivemind's own sets SIGINT ignored in *this* process, for the child to inherit, and never restores
-        # it (a Ctrl+C would be lost from then on); the child sets its own signals instead (run)
-        self.start()
-        if await_ready:
-            self.wait_until_ready(timeout)
-
-    def run(self) -> None:
-        as_hivemind_child()
-        super().run()
-
-    def announce(self, meta: dict[str, Any]) -> None:
-        """What ``rpc_served_metadata`` answers from now on (sent to the child, which answers alone)."""
-        try:
-            self._outer_pipe.send(("_announce", [MSGPackSerializer.dumps(meta)], {}))
-        except (OSError, ValueError):  # shut down: nobody asks any more
-            pass
-
-    async def _announce(self, meta: bytes) -> None:
-        self._announced = meta
-
-    async def rpc_served_metadata(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """The served copy's metadata alone: a downloader polling for a fresh copy asks this, and neither
-        the copy nor the host process is touched (hivemind's own download pickles the copy from the host)."""
-        return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
-
-    def expect_members(self, n: int | None) -> None:
-        """Before a step: the group it forms may begin as soon as ``n`` members are in (runs in the child)."""
-        self._outer_pipe.send(("_expect_members", [n], {}))
-
-    async def _expect_members(self, n: int | None) -> None:
-        # hivemind's target_group_size, changed round by round: a leader whose followers make ``n`` begins
-        # at once instead of at the end of its matchmaking window, and turns away more (``GROUP_IS_FULL``)
-        self._matchmaking.target_group_size = n
-        self._matchmaking.potential_leaders.target_group_size = n
-
-    async def _shutdown(self, timeout):
-        # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
-        # behind; close it so that a clean exit leaves nothing
-        try:
-            await super()._shutdown(timeout)
-        finally:
-            p2p = getattr(self, "_p2p", None)
-            if p2p is not None:
-                await p2p.shutdown()
 
 
 class HivemindGroup:
@@ -120,8 +56,9 @@ class HivemindGroup:
         serve_compression: CompressionBase | None = None,
     ) -> None:
         self.name, self.serves_only = name, like is None
+        self.swarm_key, self.me = getattr(dht, "swarm_key", None), dht.peer_id.to_base58()
         with hivemind_child_signals():
-            self.averager = _ServingAverager(
+            self.averager = ServingAverager(
                 # always host tensors: hivemind's compression calls .numpy() and fails on CUDA tensors
                 [torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in like or [torch.zeros(1)]],
                 dht,
@@ -141,6 +78,7 @@ class HivemindGroup:
                 allow_state_sharing=True,
                 declare_state_period=10.0,
                 shutdown_timeout=SHUTDOWN_S,
+                swarm_key=self.swarm_key,
             )
         self.averager.serve_lock, self.averager.served = threading.Lock(), ({}, None)
 
@@ -177,6 +115,8 @@ class HivemindGroup:
         scheduled: float | None = None,
         expected: int | None = None,
     ) -> StepControl:
+        if self.swarm_key is not None:
+            info = info | {"member": self.swarm_key.member_token(self.me)}
         gather = MSGPackSerializer.dumps(info)
         if len(gather) > MAX_INFO_BYTES:
             raise ValueError("round info too large")
@@ -222,6 +162,8 @@ class HivemindGroup:
                 info = None
             if not isinstance(info, dict):
                 return GroupOutcome(False, f"malformed round info from {peer}")
+            if self.swarm_key is not None and not self.swarm_key.admits(peer.to_base58(), info.get("member")):
+                return GroupOutcome(False, f"a member without the swarm key: {peer.to_base58()[-8:]}")
             members[peer.to_base58()] = info
         lock = self.averager.lock_averaged_tensors
         if not lock.acquire(timeout=BUFFER_LOCK_S):
@@ -249,51 +191,15 @@ def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> No
         t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-async def _download(dht, node, peer: str, prefix: str, timeout: float, accept=None):
-    """Runs inside the DHT process (``dht.run_coroutine``): stream one group's state from ``peer``.
-    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
-    ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
-    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile)."""
-    import asyncio
-
-    from hivemind.compression import deserialize_torch_tensor
-    from hivemind.p2p import PeerID
-    from hivemind.utils.streaming import combine_from_streaming
-
-    async def fetch():
-        stub = _ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
-        if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
-            probe = await stub.rpc_served_metadata(averaging_pb2.DownloadRequest())
-            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
-            if not metadata_accepted(accept, meta):
-                return meta, []
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        meta, parts, tensors = None, [], []
-        async for msg in stream:
-            if msg.metadata:
-                meta = MSGPackSerializer.loads(msg.metadata)
-                if accept is not None and not metadata_accepted(accept, meta):
-                    await stream.aclose()
-                    return meta, []
-            if msg.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(msg.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return meta, tensors
-
-    try:
-        return await asyncio.wait_for(fetch(), timeout)
-    except Exception:  # a dead or busy holder is an expected answer: None, not a traceback in the DHT's log
-        return None
-
-
 def download_state(dht: hivemind.DHT, peer: str, prefix: str, timeout: float = 30.0, accept=None):
     """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout;
     ``accept(metadata)`` (picklable) false: (metadata, [])."""
     try:
-        fn = functools.partial(_download, peer=peer, prefix=prefix, timeout=timeout, accept=accept)
+        key = getattr(dht, "swarm_key", None)
+        token = key.member_token(dht.peer_id.to_base58()) if key is not None else b""
+        fn = functools.partial(
+            fetch_copy, peer=peer, prefix=prefix, timeout=timeout, token=token, accept=accept
+        )
         return dht.run_coroutine(fn, return_future=True).result(timeout=timeout + 5)
     except Exception:
         return None

@@ -1,6 +1,6 @@
 """``Store`` and ``GroupTransport`` on hivemind: records in its DHT, groups as its averagers.
 
-    store = HivemindStore(dht)
+    store = HivemindStore(dht)                  # records under a subkey are signed: see ``put``
     transport = HivemindTransport(dht, timing, codec_named("int8"))  # averaging groups send int8
     group = transport.open("demo_dense", like=buffers)
 
@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.net.hivemind_codecs import hivemind_compression
 from swarm.net.hivemind_group import HivemindGroup, close_groups, download_state
+from swarm.net.identity import peer_id_of_owner
 from swarm.net.timing import Timing
 from swarm.net.transport import Served
 from swarm.sync.codecs import CODECS, Codec
@@ -34,10 +35,15 @@ def _result(future, timeout: float):
 
 
 class HivemindStore:
-    """See the module docstring."""
+    """Records in hivemind's DHT. A record under a subkey is a peer's own: written under its owner tag
+    (``swarm.net.identity``) and signed by its key, so nobody else can write it, and read back under the
+    writer's peer id; a subkey that is not an owner tag (written by a plain hivemind node, say) is not read."""
 
     def __init__(self, dht: hivemind.DHT) -> None:
-        self.dht = dht
+        self.dht, self.me = dht, dht.peer_id.to_base58()
+        identity = getattr(dht, "identity", None)  # set by start_dht
+        self.owner = identity.owner_subkey if identity is not None else None
+        self.swarm_key = getattr(dht, "swarm_key", None)  # its allowlist: the only writers read
 
     def now(self) -> float:
         return get_dht_time()
@@ -45,6 +51,10 @@ class HivemindStore:
     def put(
         self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
     ) -> bool:
+        if subkey is not None:
+            if subkey != self.me or self.owner is None:
+                raise ValueError(f"a peer writes its own subkey only ({self.me[-8:]}, not {subkey[-8:]})")
+            subkey = self.owner
         fut = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
         return bool(_result(fut, timeout))
 
@@ -60,12 +70,13 @@ class HivemindStore:
             return None
         if not isinstance(found.value, dict):
             return {}
-        now = get_dht_time()
-        return {
-            sub: (getattr(item, "value", None), item.expiration_time)
-            for sub, item in found.value.items()
-            if isinstance(sub, str) and getattr(item, "expiration_time", 0) > now
-        }
+        now, out = get_dht_time(), {}
+        for sub, item in found.value.items():
+            writer = peer_id_of_owner(sub)  # the signature was checked by the DHT node that read it
+            allowed = writer is not None and (self.swarm_key is None or self.swarm_key.allows(writer))
+            if allowed and getattr(item, "expiration_time", 0) > now:
+                out[writer] = (getattr(item, "value", None), item.expiration_time)
+        return out
 
 
 class HivemindTransport:

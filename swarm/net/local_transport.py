@@ -154,6 +154,8 @@ class LocalStore:
     def put(
         self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
     ) -> bool:
+        if subkey is not None and subkey != self.me:  # like hivemind's signed subkeys (HivemindStore)
+            raise ValueError(f"a peer writes its own subkey only ({self.me}, not {subkey})")
         if "_digest_" in key and self.net.fault("silent", self.me, {}):
             return True  # claims to have published, like a member that withholds its digest
         with self.net.lock:

@@ -95,18 +95,21 @@ def as_store(store_or_dht: Store | hivemind.DHT) -> Store:
 
 
 def check_or_publish_fingerprint(
-    store: Store | hivemind.DHT, run_id: str, fingerprint: str, timeout: float = 10.0
+    store: Store | hivemind.DHT, run_id: str, me: str, fingerprint: str, timeout: float = 10.0
 ) -> None:
-    """Refuse a swarm whose published fingerprint differs; publish ours when none is there yet."""
+    """Refuse a run whose every peer that published a config fingerprint published another; then publish
+    ours. Each peer's fingerprint is its own signed record (``<run>_config``, under its peer id), so no
+    writer can replace the others': a stranger's record alone cannot lock out a run that has peers."""
     store, key = as_store(store), f"{run_id}_config"
-    found = store.get(key, timeout)
-    if found is not None and found != fingerprint:
+    found = store.get_subkeys(key, timeout) or {}
+    theirs = [v for v, _ in found.values() if isinstance(v, str) and 0 < len(v) <= 128]
+    if theirs and fingerprint not in theirs:
+        common = max(sorted(set(theirs)), key=theirs.count)
         raise FingerprintMismatch(
-            f"run {run_id!r} in this swarm trains another model (config fingerprint "
-            f"{found}, ours {fingerprint}); use the swarm's config or another run_id"
+            f"run {run_id!r} in this swarm trains another model (config fingerprint {common} from "
+            f"{theirs.count(common)} peer(s), ours {fingerprint}); use the swarm's config or another run_id"
         )
-    if found is None:
-        store.put(key, fingerprint, store.now() + CONFIG_TTL_S, timeout=timeout)
+    store.put(key, fingerprint, store.now() + CONFIG_TTL_S, subkey=me, timeout=timeout)
 
 
 def publish_heartbeat(

@@ -52,7 +52,8 @@ def metadata_accepted(accept: Callable[[dict[str, Any]], bool], meta: Any) -> bo
 
 
 class Store(Protocol):
-    """Records with optional subkeys and an expiration time (on ``now()``'s clock). Writes by anyone."""
+    """Records with optional subkeys and an expiration time (on ``now()``'s clock). A subkey is a peer id,
+    and a peer writes only its own (on hivemind: signed); a key without subkey can be written by anyone."""
 
     def now(self) -> float: ...
 

@@ -1,0 +1,197 @@
+"""The averager behind a ``HivemindGroup``: it serves a copy apart from its buffers, to members only.
+
+    averager = ServingAverager(buffers, dht, prefix="demo_dense", swarm_key=key, ...)  # hivemind's arguments
+    meta, tensors = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)      # in the DHT's process
+
+hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``HivemindGroup.serve``) is what
+downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
+group size it waits for is set step by step (``expect_members``); and with a swarm key every caller shows
+its member token: in its gathered info to join a group, in its request to download. With an allowlist,
+only listed peers are followed as leaders. hivemind's own
+``rpc_download_state`` is closed. Nothing here unpickles what a caller sent.
+"""
+
+from __future__ import annotations
+
+# hivemind tells streaming handlers by typing's alias (``hint._name``): collections.abc's is not seen
+from typing import Any, AsyncIterator  # noqa: UP035
+
+import hivemind
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+
+from swarm.net.dht_node import as_hivemind_child
+from swarm.net.swarm_key import SwarmKey
+from swarm.net.transport import metadata_accepted
+
+MAX_INFO_BYTES = 4096
+
+
+def gathered_token(gather: bytes) -> object:
+    """The member token in a join request's gathered info (what ``HivemindGroup.start`` sends), or None."""
+    try:  # hivemind sends [bandwidth, mode, msgpack(gather)], and our gather is msgpack(info) itself
+        _, _, wrapped = MSGPackSerializer.loads(gather)
+        blob = MSGPackSerializer.loads(wrapped)
+        ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
+        info = MSGPackSerializer.loads(blob) if ok else None
+    except Exception:  # a caller's bytes may be anything
+        return None
+    return info.get("member") if isinstance(info, dict) else None
+
+
+class ServingAverager(hivemind.DecentralizedAverager):
+    """See the module docstring. ``swarm_key``: None, or the key whose members alone it serves and groups
+    with."""
+
+    def __init__(self, *args, swarm_key: SwarmKey | None = None, **kwargs) -> None:
+        self.swarm_key = swarm_key  # before the process forks: the child checks callers with it
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        lock = getattr(self, "serve_lock", None)
+        if lock is None:
+            return {}, [], None
+        with lock:
+            meta, tensors = dict(self.served[0]), self.served[1]
+        if not meta:  # not serving (before the first round, or while the buffers are being averaged)
+            return {}, [], None
+        if tensors is None:  # an averaging group serves its buffers, which hold its last result
+            with self.get_tensors() as buffers:
+                tensors = [t.clone() for t in buffers]
+        return meta, list(tensors), None
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind's own sets SIGINT ignored in *this* process, for the child to inherit, and never restores
+        # it (a Ctrl+C would be lost from then on); the child sets its own signals instead (run)
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self) -> None:
+        as_hivemind_child()
+        super().run()
+
+    def announce(self, meta: dict[str, Any]) -> None:
+        """What ``rpc_served_metadata`` answers from now on (sent to the child, which answers alone)."""
+        try:
+            self._outer_pipe.send(("_announce", [MSGPackSerializer.dumps(meta)], {}))
+        except (OSError, ValueError):  # shut down: nobody asks any more
+            pass
+
+    async def _announce(self, meta: bytes) -> None:
+        self._announced = meta
+
+    def _admits(self, token: object, context: P2PContext) -> bool:
+        key = self.swarm_key
+        return key is None or key.admits(context.remote_id.to_base58(), token)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """A follower that asks to join must show its member token (in its gathered info)."""
+        if not self._admits(gathered_token(request.gather), context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_download_state(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's own download, which shows no token: closed (``rpc_fetch_copy`` serves members)."""
+        return
+        yield
+
+    async def rpc_fetch_copy(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The served copy (metadata, then tensors) for a caller whose token (``request.gather``) admits it."""
+        if not self._admits(request.gather, context):
+            return
+        async for message in super().rpc_download_state(averaging_pb2.DownloadRequest(), context):
+            yield message
+
+    async def rpc_served_metadata(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """The served copy's metadata alone: a downloader polling for a fresh copy asks this, and neither
+        the copy nor the host process is touched (hivemind's own download pickles the copy from the host)."""
+        if not self._admits(request.gather, context):
+            return averaging_pb2.DownloadData()
+        return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
+
+    def expect_members(self, n: int | None) -> None:
+        """Before a step: the group it forms may begin as soon as ``n`` members are in (runs in the child)."""
+        self._outer_pipe.send(("_expect_members", [n], {}))
+
+    async def _expect_members(self, n: int | None) -> None:
+        # hivemind's target_group_size, changed round by round: a leader whose followers make ``n`` begins
+        # at once instead of at the end of its matchmaking window, and turns away more (``GROUP_IS_FULL``)
+        self._matchmaking.target_group_size = n
+        self._matchmaking.potential_leaders.target_group_size = n
+        self._follow_listed_leaders_only()
+
+    def _follow_listed_leaders_only(self) -> None:
+        """With an allowlist, the leaders we would ask to join are the listed peers only: an unlisted holder
+        of the key can declare itself in the DHT, and a group it led would be refused by every member."""
+        key, keys = self.swarm_key, self._matchmaking.group_key_manager
+        if key is None or key.allowlist is None or getattr(keys, "listed_only", False):
+            return
+        declared = keys.get_averagers
+
+        async def listed(*args, **kwargs):
+            return [(p, t) for p, t in await declared(*args, **kwargs) if key.allows(p.to_base58())]
+
+        keys.get_averagers, keys.listed_only = listed, True
+
+    async def _shutdown(self, timeout):
+        # hivemind leaves the averager's P2P replica open at shutdown, and its client socket file in /tmp
+        # behind; close it so that a clean exit leaves nothing
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                await p2p.shutdown()
+
+
+async def fetch_copy(dht, node, peer: str, prefix: str, timeout: float, token: bytes, accept=None):
+    """Runs inside the DHT process (``dht.run_coroutine``): stream one group's served copy from ``peer``,
+    showing our member ``token`` (b"" without a swarm key).
+    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
+    ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
+    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile)."""
+    import asyncio
+
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.p2p import PeerID
+    from hivemind.utils.streaming import combine_from_streaming
+
+    async def fetch():
+        stub = ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
+        if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
+            probe = await stub.rpc_served_metadata(averaging_pb2.JoinRequest(gather=token))
+            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
+            if not metadata_accepted(accept, meta):
+                return meta, []
+        stream = await stub.rpc_fetch_copy(averaging_pb2.JoinRequest(gather=token))
+        meta, parts, tensors = None, [], []
+        async for msg in stream:
+            if msg.metadata:
+                meta = MSGPackSerializer.loads(msg.metadata)
+                if accept is not None and not metadata_accepted(accept, meta):
+                    await stream.aclose()
+                    return meta, []
+            if msg.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(msg.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return meta, tensors
+
+    try:
+        return await asyncio.wait_for(fetch(), timeout)
+    except Exception:  # a dead or busy holder is an expected answer: None, not a traceback in the DHT's log
+        return None
