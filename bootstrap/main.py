@@ -2,12 +2,15 @@
 
     swarm-bootstrap [--host 127.0.0.1] [--port 31337] [--identity bootstrap.id] [--config configs/demo.yaml]
                     [--dashboard-port 8080 [--dashboard-host 127.0.0.1]]
+                    [--new-swarm] [--swarm-key swarm.key [--allow-peers peers.txt]]
 
 It prints its multiaddrs and the exact ``swarm-peer`` command to join, then serves until Ctrl+C or SIGTERM,
 when it shuts its DHT node down cleanly. With ``--identity`` its peer id (and so its address) survives
 restarts. It listens on 127.0.0.1 unless told otherwise; NAT traversal and relays only with ``--use-nat``.
 With ``--dashboard-port`` it also serves the swarm's dashboard (``swarm-dashboard``'s page, ``/api/state``
-and ``/metrics``) for the run of ``--config``, read through its own DHT node.
+and ``/metrics``) for the run of ``--config``, read through its own DHT node. ``--new-swarm`` writes a new
+swarm key to ``--swarm-key`` (default ``swarm.key``); with a key, only nodes that hold it take part
+(``swarm.net.swarm_key``), and the printed join command names it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from http.server import ThreadingHTTPServer
 from swarm.config import ConfigError
 from swarm.dashboard.server import Dashboard, bind
 from swarm.dashboard.swarm_view import ViewConfig
+from swarm.net.swarm_key import (
+    SwarmKey,
+    SwarmKeyError,
+    add_swarm_key_args,
+    swarm_key_args,
+    swarm_key_from_args,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--identity", default=None, metavar="FILE", help="private key file: a stable peer id")
     ap.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers")
     ap.add_argument("--use-nat", action="store_true", help="enable UPnP, AutoNAT and relays (off by default)")
+    ap.add_argument("--new-swarm", action="store_true", help="write a new swarm key (to --swarm-key) first")
+    add_swarm_key_args(ap)
     ap.add_argument(
         "--config", default="configs/demo.yaml", help="config named in the join command; the dashboard's run"
     )
@@ -55,6 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print("error: --port must be in [0, 65535]", file=sys.stderr)
         return 2
+    try:
+        if args.new_swarm:
+            args.swarm_key = args.swarm_key or "swarm.key"
+            SwarmKey.create().write(args.swarm_key)
+            print(
+                f"new swarm key written to {args.swarm_key}: give it to every peer (--swarm-key)", flush=True
+            )
+        swarm_key = swarm_key_from_args(args)
+    except SwarmKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     view_cfg, http = None, None
     if args.dashboard_port:
         try:  # before the DHT: bad input fails fast, with nothing to shut down
@@ -72,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             identity_path=args.identity,
             use_nat=args.use_nat,
             announce_host=args.announce_host,
+            swarm_key=swarm_key,
         )
     except DHTStartError as e:
         if http is not None:
@@ -83,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     maddrs = visible_maddrs(dht)
-    print("bootstrap peer is up; its addresses:")
+    key = f"swarm key {swarm_key.key_id}" if swarm_key else "no swarm key: anyone who reaches it may join"
+    print(f"bootstrap peer is up ({key}); its addresses:")
     for m in maddrs:
         print(f"  {m}")
-    join = ["swarm-peer", "--config", args.config, "--initial-peers", *maddrs, "--run-dir", "runs/peer1"]
+    join = ["swarm-peer", "--config", args.config, "--initial-peers", *maddrs, *swarm_key_args(args)]
+    join += ["--run-dir", "runs/peer1"]
     print("join the swarm with:")
     print("  " + shlex.join(join))
     if dashboard is not None:

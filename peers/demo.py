@@ -153,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started as a background job
     stop_bound = cfg.sync.round_timeout_s + 10  # a peer's own bound: a round in flight, then leaving
     interrupted = False
+    key = run / "swarm.key"  # the demo's swarm is closed to anyone without it (the bootstrap writes it)
     boot = subprocess.Popen(
-        [py, "-m", "bootstrap.main", "--config", str(effective), "--dashboard-port", str(board_port)],
+        [py, "-m", "bootstrap.main", "--config", str(effective), "--dashboard-port", str(board_port)]
+        + ["--new-swarm", "--swarm-key", str(key)],
         cwd=ROOT,
         env=env,
         stdout=boot_log,
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.config,
                 "--initial-peers",
                 maddr,
+                "--swarm-key",
+                str(key),
                 "--run-dir",
                 str(d),
                 "--stop-at",

@@ -33,6 +33,7 @@ from swarm.config import ConfigError, RunConfig, load_config
 from swarm.data import DataError
 from swarm.hf.init_from import apply_init_weights, load_init_weights
 from swarm.model import BackendUnavailable
+from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_from_args
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
 from swarm.train.local_ranks import LocalRanks, collective_timeout_s
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1", help="address this peer listens on (default: loopback)")
     ap.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     ap.add_argument("--identity", default=None, metavar="FILE", help="private key file: a stable peer id")
+    add_swarm_key_args(ap)
     ap.add_argument("--use-nat", action="store_true", help="enable UPnP, AutoNAT and relays (off by default)")
     ap.add_argument(
         "--run-dir", default="runs/peer", help="metrics.jsonl, config.yaml and checkpoints/ go here"
@@ -118,9 +120,15 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     from swarm.net.timing import Timing
 
     dht = start_dht(
-        args.initial_peers, host=args.host, port=args.port, identity_path=args.identity, use_nat=args.use_nat
+        args.initial_peers,
+        host=args.host,
+        port=args.port,
+        identity_path=args.identity,
+        use_nat=args.use_nat,
+        swarm_key=swarm_key_from_args(args),
     )
     me, store = dht.peer_id.to_base58(), HivemindStore(dht)
+    print(f"peer id: {me}", flush=True)  # what a closed swarm's allowlist names
     check_or_publish_fingerprint(store, cfg.run_id, me, cfg.fingerprint())
     if cfg.data.seed is None:  # each peer samples its own windows
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
@@ -190,6 +198,8 @@ def _main(argv: list[str] | None) -> int:
         if pick_device(cfg.train.device).type == "cpu":
             keep_freed_memory()
         leader = ranks is None or ranks.is_leader
+        if leader and not args.solo:
+            swarm_key_from_args(args)  # a bad key file fails now, before the model is built
         trainer = Trainer(
             cfg,
             Path(args.run_dir),
@@ -225,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
             )
         print(json.dumps({"run_dir": str(args.run_dir), **summary}), flush=True)
         return 0
-    except (ConfigError, DataError, CheckpointError, BackendUnavailable) as e:
+    except (ConfigError, DataError, CheckpointError, BackendUnavailable, SwarmKeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:

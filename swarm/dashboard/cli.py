@@ -21,6 +21,7 @@ from pathlib import Path
 from swarm.config import ConfigError
 from swarm.dashboard.server import Dashboard, DashboardBindError, bind
 from swarm.dashboard.swarm_view import ViewConfig
+from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_from_args
 
 EXIT_BAD_INPUT = 2
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=None, help="experts in the model (default: the config's)")
     ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between DHT reads (default 2)")
     ap.add_argument("--history", type=int, default=900, help="samples kept for the charts (default 900)")
+    add_swarm_key_args(ap)
     return ap.parse_args(argv)
 
 
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        swarm_key = swarm_key_from_args(args)
+    except SwarmKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         server = bind(args.host, args.port)  # a taken port fails before the DHT is started
     except DashboardBindError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        dht = start_dht(args.initial_peers, client_mode=True)
+        dht = start_dht(args.initial_peers, client_mode=True, swarm_key=swarm_key)
     except DHTStartError as e:
         server.server_close()
         print(f"error: {e}", file=sys.stderr)

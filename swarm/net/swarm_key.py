@@ -115,3 +115,26 @@ def _allowlist(path: str | Path) -> frozenset[str]:
             f"{path}: one peer id per line expected" + (f", not {bad[0][:40]!r}" if bad else "")
         )
     return frozenset(peers)
+
+
+def add_swarm_key_args(ap) -> None:
+    """``--swarm-key`` and ``--allow-peers``, alike on every command that joins a swarm."""
+    ap.add_argument(
+        "--swarm-key", default=None, metavar="FILE", help="the swarm's key: only its holders take part"
+    )
+    ap.add_argument(
+        "--allow-peers", default=None, metavar="FILE", help="closed swarm: the peer ids allowed, one per line"
+    )
+
+
+def swarm_key_from_args(args) -> SwarmKey | None:
+    """The key the arguments name (None: a swarm without key). Raises SwarmKeyError (one line)."""
+    if args.allow_peers and not args.swarm_key:
+        raise SwarmKeyError("--allow-peers needs --swarm-key")
+    return SwarmKey.load(args.swarm_key, allow=args.allow_peers) if args.swarm_key else None
+
+
+def swarm_key_args(args) -> list[str]:
+    """The same arguments, for a command printed or started with them."""
+    out = ["--swarm-key", args.swarm_key] if args.swarm_key else []
+    return out + (["--allow-peers", args.allow_peers] if args.allow_peers else [])
