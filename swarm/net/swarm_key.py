@@ -52,13 +52,7 @@ class SwarmKey:
 
     @classmethod
     def load(cls, path: str | Path, allow: str | Path | None = None) -> SwarmKey:
-        try:
-            text = Path(path).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise SwarmKeyError(
-                f"{path}: cannot read the swarm key ({getattr(e, 'strerror', None) or e})"
-            ) from None
-        head, _, hexkey = text.rpartition(" ")
+        head, _, hexkey = _read(path, "the swarm key").strip().rpartition(" ")
         try:
             secret = bytes.fromhex(hexkey) if head == HEADER else b""
         except ValueError:
@@ -100,14 +94,15 @@ class SwarmKey:
         return ok and self.allows(peer_id)
 
 
-def _allowlist(path: str | Path) -> frozenset[str]:
+def _read(path: str | Path, what: str) -> str:
     try:
-        lines = Path(path).read_text().splitlines()
+        return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise SwarmKeyError(
-            f"{path}: cannot read the allowlist ({getattr(e, 'strerror', None) or e})"
-        ) from None
-    peers = [ln.split("#")[0].strip() for ln in lines]
+        raise SwarmKeyError(f"{path}: cannot read {what} ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _allowlist(path: str | Path) -> frozenset[str]:
+    peers = [ln.split("#")[0].strip() for ln in _read(path, "the allowlist").splitlines()]
     peers = [p for p in peers if p]
     bad = [p for p in peers if not (p.isalnum() and 30 <= len(p) <= 80)]
     if bad or not peers:
