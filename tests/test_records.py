@@ -44,6 +44,8 @@ def test_a_well_formed_record_parses_back_and_unknown_fields_are_ignored():
         ("experts", [5000]),
         ("experts", ["1"]),
         ("experts", [False]),
+        ("experts", [[1]]),  # unhashable: must not raise while checking for duplicates
+        ("experts", [{"e": 1}]),
         ("experts", list(range(5000))),
         ("experts", "0,1"),
     ],

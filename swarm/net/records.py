@@ -1,9 +1,11 @@
 """What a run keeps in the DHT: the config fingerprint and one heartbeat record per peer.
 
-Keys are prefixed by the run id: ``<run>_config`` holds the fingerprint of the model config (peers with
-another model are refused); ``<run>_peers`` holds, under each peer's id as subkey, its heartbeat: experts,
-step, tokens, loss, tokens/s, last round, bytes, state. Records expire after a few heartbeat periods, so a
-peer that dies disappears by itself. Values are plain msgpack types (hivemind's own serialiser; no pickle).
+Keys are prefixed by the run id, and every record is its writer's own, under its peer id as subkey (on
+hivemind, signed: ``HivemindStore``): ``<run>_config`` holds each peer's fingerprint of the model config
+(a peer whose model no writer shares is refused); ``<run>_peers`` holds its heartbeat: experts, step,
+tokens, loss, tokens/s, last round, bytes, state. Heartbeats expire after a few heartbeat periods, so a
+peer that dies disappears by itself. Values are plain msgpack types (hivemind's own serialiser; no pickle),
+and a reader takes a record only if every field is well formed (``Heartbeat.from_value``).
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ class Heartbeat:
         if not isinstance(value, dict) or not isinstance(value.get("experts"), list):
             return None
         experts = value["experts"]
-        if len(experts) > MAX_EXPERTS or len(set(experts)) != len(experts) or not all(
-            _whole(e, top=MAX_EXPERTS - 1) for e in experts
-        ):  # fmt: skip
+        if len(experts) > MAX_EXPERTS or not all(_whole(e, top=MAX_EXPERTS - 1) for e in experts):
+            return None
+        if len(set(experts)) != len(experts):  # only ints by now: hashable
             return None
         fields = {k: value[k] for k in cls.__dataclass_fields__ if k in value}
         counts = ("step", "tokens", "bytes_sent", "bytes_recv", "rounds_ok", "rounds_failed")
