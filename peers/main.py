@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -33,7 +34,7 @@ from swarm.config import ConfigError, RunConfig, load_config
 from swarm.data import DataError
 from swarm.hf.init_from import apply_init_weights, load_init_weights
 from swarm.model import BackendUnavailable
-from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_from_args
+from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_args, swarm_key_from_args
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
 from swarm.train.local_ranks import LocalRanks, collective_timeout_s
@@ -113,7 +114,7 @@ def _own_process_group() -> None:
 
 def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
-    from swarm.net.dht_node import start_dht
+    from swarm.net.dht_node import start_dht, visible_maddrs
     from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
     from swarm.net.joining import catch_up, claim_experts, open_swarm_sync
     from swarm.net.records import check_or_publish_fingerprint
@@ -128,7 +129,12 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         swarm_key=swarm_key_from_args(args),
     )
     me, store = dht.peer_id.to_base58(), HivemindStore(dht)
-    print(f"peer id: {me}", flush=True)  # what a closed swarm's allowlist names
+    # any peer is an entry point: its addresses join the swarm as well as a bootstrap's (its peer id is what
+    # a closed swarm's allowlist names)
+    maddrs = visible_maddrs(dht)
+    join = ["swarm-peer", "--config", args.config, "--initial-peers", *maddrs, *swarm_key_args(args)]
+    join += [a for item in args.set for a in ("--set", item)]  # overrides change the model's fingerprint
+    print(f"peer id: {me}; others may join through it: {shlex.join(join)}", file=sys.stderr, flush=True)
     check_or_publish_fingerprint(store, cfg.run_id, me, cfg.fingerprint())
     if cfg.data.seed is None:  # each peer samples its own windows
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")

@@ -54,6 +54,7 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
         reap(procs)
     log = (tmp_path / "p3.err").read_text()
     assert "caught up with the swarm: dense fetched, 8/8 experts fetched" in log, log[-3000:]
+    assert "others may join through it: swarm-peer --config" in log  # any peer is an entry point
     # the late peer's first evaluation (before its first step) already has the swarm's quality, it takes
     # part in rounds afterwards, and it ends with the others' weights (checked below with every replica)
     fresh = read_metrics(runs[0] / "metrics.jsonl")[0]["val_loss"]  # the shared init, at step 0
