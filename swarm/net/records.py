@@ -71,8 +71,11 @@ class Heartbeat:
         ok = (
             all(_whole(fields.get(k, 0)) for k in counts)
             and _whole(fields.get("last_round", -1), low=-1)
-            and all(_real(fields.get(k, 0.0), low=0.0) for k in ("tokens_per_s", "period_s"))
-            and all(fields.get(k) is None or _real(fields[k]) for k in ("loss", "last_round_time", "sent_at"))
+            and all(finite_number(fields.get(k, 0.0), low=0.0) for k in ("tokens_per_s", "period_s"))
+            and all(
+                fields.get(k) is None or finite_number(fields[k])
+                for k in ("loss", "last_round_time", "sent_at")
+            )
             and fields.get("state", "joining") in STATES
         )
         return cls(**fields) if ok else None
@@ -83,7 +86,8 @@ def _whole(v: Any, low: int = 0, top: int = MAX_COUNT) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and low <= v <= top
 
 
-def _real(v: Any, low: float = -math.inf) -> bool:
+def finite_number(v: Any, low: float = -math.inf) -> bool:
+    """A finite int or float (not a bool) >= ``low``: what a number read from another peer must be."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
 
 

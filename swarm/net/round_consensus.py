@@ -13,7 +13,6 @@ rounding (members add deltas in a different order), sensitive to any part left u
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
+from swarm.net.records import finite_number
 from swarm.net.transport import Store
 
 SEGMENTS = 16
@@ -77,7 +77,7 @@ def digests_agree(
     """Whether two digests agree within ``tolerance`` of each segment's sum of |x|, plus ``floor`` (per
     segment: the sums of |x| of what we sent, when members' results may differ by the codec's error of
     mean - own, which can exceed the mean when the members' changes cancel out)."""
-    if len(a) != len(b) or not all(_real(x) for x in (*a, *b)):
+    if len(a) != len(b) or not all(finite_number(x) for x in (*a, *b)):
         return False  # another peer's digest may be anything (a NaN would agree with every digest)
     if floor is not None and len(floor) * 2 != len(a):
         return False
@@ -121,7 +121,3 @@ def await_digests(
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
