@@ -38,6 +38,7 @@ from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_arg
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
 from swarm.train.local_ranks import LocalRanks, collective_timeout_s
+from swarm.train.process_exit import exit_process
 from swarm.train.trainer import pick_device
 
 EXIT_BAD_INPUT = 2
@@ -271,5 +272,11 @@ def _main(argv: list[str] | None) -> int:
             dht.shutdown()
 
 
+def command() -> None:
+    """The ``swarm-peer`` console script: ``main()``, then an exit that a round abandoned mid-way cannot
+    turn into an abort (see ``swarm.train.process_exit``)."""
+    raise SystemExit(exit_process(main()))
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()
