@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -214,6 +215,11 @@ class SyncConfig:
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1
+    # how a group's contributions are combined (swarm.sync.robust_mean): "centered_clip" bounds what a rogue
+    # member can do and weights every member equally; "mean" weights members by their tokens and trusts them
+    # (closed swarms of peers you run yourself). Every peer of a swarm must use the same rule
+    aggregation: Literal["mean", "centered_clip"] = "centered_clip"
+    clip_factor: float = 2.0  # centered_clip's radius: this x the median member's distance from the centre
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
@@ -241,6 +247,7 @@ class SyncConfig:
             "must exceed sync.matchmaking_s",
         )
         _check(self.max_rel_distance > 0, "sync.max_rel_distance", "must be > 0")
+        _check(math.isfinite(self.clip_factor) and self.clip_factor >= 1, "sync.clip_factor", "must be >= 1")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The round's protocol rules, in process, on the fault-injecting ``LocalNetwork`` (seconds, no sockets)."""
 
+import dataclasses
 import threading
 import time
 
@@ -16,6 +17,7 @@ from swarm.net.records import Heartbeat
 from swarm.net.round import RoundContext, RoundPlan, run_round
 from swarm.net.timing import Timing
 from swarm.sync.codecs import codec_named
+from swarm.sync.robust_mean import aggregation_rule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +38,8 @@ class Swarm:
     def __init__(self, experts: dict[str, list[int]], faults=(), sync: SyncConfig | None = None):
         self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0)
         codec = codec_named(self.sync.codec)
-        self.net = LocalNetwork(matchmaking_s=TIMING.matchmaking_s, faults=faults, codec=codec)
+        rule = aggregation_rule(self.sync.aggregation, self.sync.clip_factor)
+        self.net = LocalNetwork(matchmaking_s=TIMING.matchmaking_s, faults=faults, codec=codec, rule=rule)
         self.ctx, self.dense, self.copies = {}, {}, {}
         for i, me in enumerate(experts):
             transport = self.net.transport(me)
@@ -86,7 +89,7 @@ def _weighted_mean(parts: list[tuple[float, list[torch.Tensor]]]) -> list[torch.
 def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     peers = ["a", "b", "c", "d"]
     experts = {p: [e for e in range(N_EXPERTS) if (e - i) % (4 // r) == 0] for i, p in enumerate(peers)}
-    swarm = Swarm(experts)
+    swarm = Swarm(experts, sync=SyncConfig(aggregation="mean"))
     weights = {
         p: {DENSE: 1.0 + i, **{expert_item(e): 0.5 + e + i for e in experts[p]}} for i, p in enumerate(peers)
     }
@@ -112,10 +115,43 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     )
 
 
+@pytest.mark.parametrize("factor", [3.0, -1.0, 1e30, float("nan")])
+def test_with_centered_clipping_a_rogue_member_is_bounded_and_the_round_still_applies(factor):
+    peers = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+    swarm = Swarm(peers, faults=[Fault("scale", peer="b", factor=factor)])  # the default rule
+    for i, p in enumerate(peers):  # one shared state, and each peer's own small change since
+        g = torch.Generator().manual_seed(i)
+        swarm.dense[p] = [t + 0.01 * torch.randn(t.shape, generator=g) for t in swarm.dense["a"]]
+    weights = {"a": {DENSE: 1.0}, "b": {DENSE: 100.0}, "c": {DENSE: 0.5}}  # claims: all count 1
+    results = swarm.round({p: swarm.plan(p, weights=weights[p]) for p in peers})
+    honest = (swarm.dense["a"][0] + swarm.dense["c"][0]) / 2
+    spread = (swarm.dense["a"][0] - swarm.dense["c"][0]).norm()
+    plain = (swarm.dense["a"][0] + factor * swarm.dense["b"][0] + swarm.dense["c"][0]) / 3
+    assert not (plain - honest).norm() <= 20 * spread  # what the mean would have let the rogue do
+    for p in ("a", "c"):
+        rec = results[p].record
+        assert rec.rejected == [], rec.rejected
+        assert (results[p].dense[1][0] - honest).norm() <= 2 * spread
+        assert sorted(results[p].experts) == [0, 1]
+
+
+def test_a_member_with_another_rule_makes_every_member_drop_the_round():
+    peers = {"a": [0, 1], "b": [0, 1]}
+    swarm = Swarm(peers)
+    mean = dataclasses.replace(swarm.ctx["b"], sync=SyncConfig(aggregation="mean"))
+    swarm.ctx["b"] = mean
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("another rule" in r for r in results[p].record.rejected), results[p].record.rejected
+
+
 @pytest.mark.parametrize("kind", ["partial", "drop", "nan", "silent"])
 def test_a_faulty_member_makes_every_member_drop_the_round(kind):
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
-    swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=None if kind == "silent" else 1)])
+    # centered clipping would leave a NaN member out and apply the round (test above): the mean cannot
+    sync = SyncConfig(aggregation="mean") if kind == "nan" else None
+    swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=None if kind == "silent" else 1)], sync=sync)
     results = swarm.round({p: swarm.plan(p) for p in peers})
     for p in peers if kind != "silent" else ["a", "c"]:  # a silent member sees the others' digests
         rec = results[p].record
@@ -191,7 +227,8 @@ def _errors(results, want, peers):
 
 def test_compressed_rounds_send_deltas_and_reach_the_weighted_mean_within_the_codec_error():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    swarm = Swarm(peers, sync=SyncConfig(codec="int8", error_feedback=False))  # see test_round_payload
+    sync = SyncConfig(codec="int8", error_feedback=False, aggregation="mean")  # see test_round_payload
+    swarm = Swarm(peers, sync=sync)
     for i, p in enumerate(peers):  # tensors large enough to be encoded (the smallest travel exactly)
         g = torch.Generator().manual_seed(i)
         swarm.dense[p] = [torch.randn(40, 50, generator=g)]

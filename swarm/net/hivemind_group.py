@@ -32,6 +32,7 @@ from hivemind.utils import MSGPackSerializer
 from swarm.net.dht_node import hivemind_child_signals
 from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy
 from swarm.net.transport import GroupOutcome
+from swarm.sync.robust_mean import AggregationRule
 
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
 BUFFER_LOCK_S = 2.0  # an all-reduce still holding the buffers after its timeout: give up the round
@@ -41,7 +42,9 @@ FORMED_POLL_S = 0.05
 class HivemindGroup:
     """See the module docstring. ``like``: the buffers' shapes, or None for a group that only serves (its
     copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_compression``:
-    how served copies travel (default fp16). An averaging group serves its buffers between rounds (one host copy per group)."""
+    how served copies travel (default fp16); ``rule``: how this member reduces its part of the all-reduce
+    (``swarm.sync.robust_mean``; None: the mean). An averaging group serves its buffers between rounds (one
+    host copy per group)."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class HivemindGroup:
         request_timeout: float = 5.0,
         compression: CompressionBase | None = None,
         serve_compression: CompressionBase | None = None,
+        rule: AggregationRule | None = None,
     ) -> None:
         self.name, self.serves_only = name, like is None
         self.swarm_key, self.me = getattr(dht, "swarm_key", None), dht.peer_id.to_base58()
@@ -79,6 +83,7 @@ class HivemindGroup:
                 declare_state_period=10.0,
                 shutdown_timeout=SHUTDOWN_S,
                 swarm_key=self.swarm_key,
+                rule=rule,
             )
         self.averager.serve_lock, self.averager.served = threading.Lock(), ({}, None)
 

@@ -23,6 +23,7 @@ from swarm.net.identity import peer_id_of_owner
 from swarm.net.timing import Timing
 from swarm.net.transport import Served
 from swarm.sync.codecs import CODECS, Codec
+from swarm.sync.robust_mean import AggregationRule
 
 DENSE_SUFFIX = "_dense"
 
@@ -82,8 +83,14 @@ class HivemindStore:
 class HivemindTransport:
     """See the module docstring."""
 
-    def __init__(self, dht: hivemind.DHT, timing: Timing, codec: Codec = CODECS["fp32"]) -> None:
-        self.dht, self.timing, self.codec = dht, timing, codec
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        timing: Timing,
+        codec: Codec = CODECS["fp32"],
+        rule: AggregationRule | None = None,
+    ) -> None:
+        self.dht, self.timing, self.codec, self.rule = dht, timing, codec, rule
         self.me = dht.peer_id.to_base58()
 
     def _group(
@@ -99,6 +106,7 @@ class HivemindTransport:
             request_timeout=t.request_s,
             compression=hivemind_compression(self.codec),
             serve_compression=self._serving(name, serve_codec),
+            rule=self.rule,
         )
 
     @staticmethod

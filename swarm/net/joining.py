@@ -136,9 +136,11 @@ def open_swarm_sync(
     from swarm.net.timing import Timing
     from swarm.net.traffic import TrafficMeter
     from swarm.sync.codecs import codec_named
+    from swarm.sync.robust_mean import aggregation_rule
 
     timing = Timing.from_config(cfg.sync)
-    store, transport = HivemindStore(dht), HivemindTransport(dht, timing, codec_named(cfg.sync.codec))
+    rule = aggregation_rule(cfg.sync.aggregation, cfg.sync.clip_factor)
+    store, transport = HivemindStore(dht), HivemindTransport(dht, timing, codec_named(cfg.sync.codec), rule)
     members = Membership(
         store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
         cfg.sync.orphan_grace_s,

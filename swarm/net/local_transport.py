@@ -1,11 +1,13 @@
 """An in-memory ``Store`` and ``GroupTransport`` for peers in one process, with a fault plan.
 
-    net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)], codec=codec_named("int8"))
+    net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)], codec=codec_named("int8"),
+                       rule=aggregation_rule("centered_clip"))
     store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window
 (from the first start, or at the scheduled time) form one group; at least two make a round. The average is
-the plain mean of what members sent, through the codec as hivemind's butterfly all-reduce does it: each
+the plain mean of what members sent, or the ``rule``'s aggregate (applied to each whole tensor, where
+hivemind's reducers apply it to each streamed part), through the codec as hivemind's butterfly all-reduce does it: each
 member's share travels encoded to its reducer, and each member gets (mean - its own) back encoded, except in
 the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
 
@@ -36,6 +38,7 @@ import torch
 
 from swarm.net.transport import GroupOutcome, Served, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
+from swarm.sync.robust_mean import AggregationRule
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,13 @@ class LocalNetwork:
     """The shared medium of in-process peers: one record store, group formations and served copies."""
 
     def __init__(
-        self, matchmaking_s: float = 0.3, faults: Sequence[Fault] = (), codec: Codec = CODECS["fp32"]
+        self,
+        matchmaking_s: float = 0.3,
+        faults: Sequence[Fault] = (),
+        codec: Codec = CODECS["fp32"],
+        rule: AggregationRule | None = None,
     ) -> None:
-        self.matchmaking_s, self.faults, self.codec = matchmaking_s, list(faults), codec
+        self.matchmaking_s, self.faults, self.codec, self.rule = matchmaking_s, list(faults), codec, rule
         self.lock = threading.Lock()
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[str, _Formation] = {}
@@ -110,7 +117,8 @@ class LocalNetwork:
                 return
             sent = {m: self._sent(m, *form.sent[m]) for m in members}
             received = [[self.codec.roundtrip(t) for t in ts] for ts in sent.values()]
-            mean = [torch.stack(ts).mean(0) for ts in zip(*received, strict=True)]
+            reduce = self.rule or (lambda stacked: stacked.mean(0))
+            mean = [reduce(torch.stack(ts)) for ts in zip(*received, strict=True)]
             infos = {m: form.sent[m][1] for m in members}
             form.results = {}
             dropped = [m for m in members if self.fault("drop", m, infos[m])]

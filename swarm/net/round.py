@@ -6,7 +6,9 @@
     result.record.rejected                         # round's wait for its shared start); failures listed
 
 The dense weights are averaged across the peers that show up and each group of local experts with the
-same holders among those holders (``group_layout``), every item weighted by its tokens. Every outcome is
+same holders among those holders (``group_layout``): with ``sync.aggregation: mean`` every item weighted by
+its tokens; with a robust rule every member equally, each one's pull bounded (``robust_mean``, reduced
+inside hivemind's all-reduce: ``ruled_allreduce``). Every outcome is
 verified before it is used: each member's round info is well formed and of the same kind (last or
 ordinary), the weights that came back are the mean of those the members claimed, all members ended with
 the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Then non-local experts
@@ -128,11 +130,12 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if plan.alone and spec.items == (DENSE,):
             started.append((spec, group, None))
             continue
-        weights = {item: plan.weights[item] for item in spec.items}
+        # a robust rule weights members equally: a weight is only what a member says of itself
+        weights = {item: plan.weights[item] if _weighted(ctx) else 1.0 for item in spec.items}
         try:
             payload = ctx.payloads.encode(spec, local, weights)
             ws = tuple(weights[i] for i in spec.items)
-            info = RoundInfo(plan.step, plan.index, plan.last, ws, payload.reference)
+            info = RoundInfo(plan.step, plan.index, plan.last, ws, payload.reference, ctx.sync.aggregation)
             mm = wait + timing.ordinary_matchmaking_s
             handle = group.start(
                 payload.tensors, info.to_msg(), mm, plan.scheduled, _expected(spec, view, ctx.me)
@@ -264,6 +267,11 @@ def _expected(spec: GroupSpec, view: MembershipView, me: str) -> int:
     )
 
 
+def _weighted(ctx: RoundContext) -> bool:
+    """Whether members are weighted by their tokens (the plain mean) or all equally (a robust rule)."""
+    return ctx.sync.aggregation == "mean"
+
+
 def _label(spec: GroupSpec) -> str:
     return DENSE if spec.items == (DENSE,) else "experts " + ",".join(i[6:] for i in spec.items)
 
@@ -292,6 +300,8 @@ def _checked(
     infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
     if any(i is None for i in infos):
         return size, "a member sent a malformed or implausible round info", None
+    if any(i.rule != ctx.sync.aggregation for i in infos):
+        return size, "a member aggregates by another rule (sync.aggregation)", None
     if any(i.last != plan.last for i in infos):
         # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
         # would end holding a copy it never had (every member sees the same infos and drops it)
@@ -306,6 +316,8 @@ def _checked(
     if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
         return size, "the averaged tensors do not match the group's items", None
     claimed = [math.fsum(w) / size for w in zip(*(i.weights for i in infos), strict=True)]
+    if not _weighted(ctx):  # whatever a member claimed, the rule weighted everyone 1
+        claimed = [1.0] * len(spec.items)
     for w_got, w_claimed in zip(tensors[-1].tolist(), claimed, strict=True):
         if not abs(w_got - w_claimed) <= WEIGHT_TOLERANCE * w_claimed + 1e-6:
             return size, "the weights averaged differ from those the members reported", None

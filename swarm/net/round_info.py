@@ -1,6 +1,6 @@
 """What each member of a group tells the others (``RoundInfo``), gathered by the group and checked by all.
 
-info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="")
+info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="", rule="centered_clip")
 group.start(tensors, info.to_msg(), ...)
 theirs = RoundInfo.from_msg(gathered[peer], n_items=1)     # None unless well formed and plausible
 """
@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from swarm.sync.robust_mean import AGGREGATIONS
 
 # weights are tokens in units of one sync interval's batches: a peer cannot plausibly report more than this
 MAX_WEIGHT = 100.0
@@ -28,6 +30,7 @@ class RoundInfo:
     last: bool
     weights: tuple[float, ...]  # per item of the group, in order
     reference: str = ""  # the agreed state our deltas are against ("": we send weights; round_payload)
+    rule: str = "mean"  # how we reduce our part (``swarm.sync.robust_mean``): every member must use the same
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -36,6 +39,7 @@ class RoundInfo:
             "last": self.last,
             "weights": list(self.weights),
             "ref": self.reference,
+            "rule": self.rule,
         }
 
     @classmethod
@@ -44,7 +48,9 @@ class RoundInfo:
         if not isinstance(value, dict):
             return None
         step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
-        reference = value.get("ref", "")
+        reference, rule = value.get("ref", ""), value.get("rule", "mean")
+        if rule not in AGGREGATIONS:  # also anything unhashable or not a string
+            return None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
             return None
         if not isinstance(reference, str) or len(reference) > MAX_REFERENCE:
@@ -54,7 +60,7 @@ class RoundInfo:
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
-        return cls(step, index, last, tuple(float(w) for w in weights), reference)
+        return cls(step, index, last, tuple(float(w) for w in weights), reference, rule)
 
 
 def common_reference(infos: Sequence[RoundInfo]) -> str:

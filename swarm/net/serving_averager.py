@@ -7,7 +7,8 @@ hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``Hivemind
 downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
 group size it waits for is set step by step (``expect_members``); and with a swarm key every caller shows
 its member token: in its gathered info to join a group, in its request to download. With an allowlist,
-only listed peers are followed as leaders. hivemind's own
+only listed peers are followed as leaders. Its part of each all-reduce is reduced by ``rule`` with every
+sender weighted 1 (``ruled_allreduce``). hivemind's own
 ``rpc_download_state`` is closed. Nothing here unpickles what a caller sent.
 """
 
@@ -17,13 +18,17 @@ from __future__ import annotations
 from typing import Any, AsyncIterator  # noqa: UP035
 
 import hivemind
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.net.dht_node import as_hivemind_child
+from swarm.net.ruled_allreduce import RuledAllReduceRunner
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
+from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
 
@@ -42,11 +47,35 @@ def gathered_token(gather: bytes) -> object:
 
 class ServingAverager(hivemind.DecentralizedAverager):
     """See the module docstring. ``swarm_key``: None, or the key whose members alone it serves and groups
-    with."""
+    with; ``rule``: how its reducer aggregates (None: the mean)."""
 
-    def __init__(self, *args, swarm_key: SwarmKey | None = None, **kwargs) -> None:
-        self.swarm_key = swarm_key  # before the process forks: the child checks callers with it
+    def __init__(
+        self, *args, swarm_key: SwarmKey | None = None, rule: AggregationRule | None = None, **kwargs
+    ) -> None:
+        # before the process forks: the child checks callers with the key and reduces with the rule
+        self.swarm_key, self.rule = swarm_key, rule
         super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
+        # hivemind's own, with our runner (its reducer) and without auxiliary peers, which we never start
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RuledAllReduceRunner(
+            rule=self.rule,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise ValueError("auxiliary averagers are not used")
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     def get_current_state(self):
         lock = getattr(self, "serve_lock", None)

@@ -1,0 +1,63 @@
+"""hivemind's butterfly all-reduce with our aggregation rule in each reducer, and every sender weighted 1.
+
+In hivemind, the member that reduces a part of the vector receives that part from every member and returns
+the weighted mean, with the weight each sender states in its own messages, unchecked: a member that said
+1e7 took over 99% of the average. Here a reducer ignores stated weights (ours travel inside the tensors and
+are checked by every member, ``round``), and with a rule (``swarm.sync.robust_mean``) it keeps every
+sender's part and returns the rule's aggregate instead of the mean. A part is hivemind's unit of streaming
+(at most 512 KiB on the wire), so the rule bounds each rogue contribution part by part.
+
+Used by ``ServingAverager``; nothing else about the all-reduce changes (timeouts, bans, compression).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import TensorPartReducer
+
+from swarm.sync.robust_mean import AggregationRule
+
+
+class RuledPartReducer(TensorPartReducer):
+    """hivemind's reducer with weight 1 for every sender and, given a ``rule``, that rule's aggregate."""
+
+    def __init__(
+        self, part_shapes: Sequence[torch.Size], num_senders: int, rule: AggregationRule | None
+    ) -> None:
+        self.rule, self._parts = rule, {}  # part index -> {sender index: its part}
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if (
+            self.rule is not None
+            and 0 <= sender_index < self.num_senders
+            and 0 <= part_index < self.num_parts
+        ):
+            self._parts.setdefault(part_index, {})[sender_index] = tensor_part
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=1.0)
+
+    def check_current_part_finished(self) -> None:
+        index = self.current_part_index
+        done = 0 < self.current_part_accumulated_from == self.num_current_senders
+        if self.rule is not None and done:
+            got = self._parts.pop(index, {})
+            # a sender that failed before this part is not in the mean either (hivemind's rule for bans)
+            parts = [t for s, t in sorted(got.items()) if index < self.sender_failed_after[s]]
+            if parts:  # the base divides by the number of senders (each weighted 1)
+                self.accumulator = self.rule(torch.stack(parts)) * self.denominator
+        super().check_current_part_finished()
+
+
+class RuledAllReduceRunner(AllReduceRunner):
+    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``."""
+
+    def __init__(self, *, rule: AggregationRule | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.tensor_part_reducer = RuledPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), rule
+        )

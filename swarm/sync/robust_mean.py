@@ -1,0 +1,62 @@
+"""Aggregation rules: how the contributions of a group's members become one average.
+
+    rule = aggregation_rule("centered_clip", clip_factor=2.0)   # None for "mean": hivemind's plain mean
+    part = rule(torch.stack([a, b, c]))                         # [members, values] -> [values]
+
+``centered_clip`` is the open swarm's default. It takes the coordinate-wise median of the members'
+contributions as the centre, measures each member's distance from it, and averages the members' offsets
+from the centre after clipping each to ``tau = clip_factor x the median member's distance``: the result is
+never farther than ``tau`` from the centre. While fewer than half the members are rogue, the centre lies,
+coordinate by coordinate, between honest members' values and ``tau`` is at most ``clip_factor`` times an
+honest member's distance from it; so the bound on a rogue member's pull comes from how far the honest members'
+own updates spread, not from a fixed multiple of the weights. Honest members whose offsets are within
+``tau`` (nearly always, with the default factor 2) get the exact mean. Members whose contribution has a NaN
+or inf are left out. This is one step of centered clipping (Karimireddy, He and Jaggi, ICML 2021), the rule
+that BTARD (Gorbunov et al., arXiv 2106.11257) runs inside each reducer of hivemind's butterfly all-reduce;
+coordinate-wise trimmed means need more members than our groups of 2-4 usually have, and a plain median
+throws away most of the honest information when there are only three.
+
+Every member counts equally: a member's weight is something it reports about itself, so a rogue one could
+claim any.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+AGGREGATIONS = ("mean", "centered_clip")
+AggregationRule = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _middle(sorted_values: torch.Tensor) -> torch.Tensor:
+    """The median along dim 0 of values sorted along it (the mean of the two middle ones for an even count)."""
+    n = sorted_values.shape[0]
+    return (sorted_values[(n - 1) // 2] + sorted_values[n // 2]) / 2
+
+
+def centered_clip(parts: torch.Tensor, clip_factor: float = 2.0) -> torch.Tensor:
+    """The members' ``parts`` ([members, ...]) aggregated as the module docstring says; all NaN if no member
+    sent finite values (a result that every check downstream refuses)."""
+    x = parts.reshape(parts.shape[0], -1).double()
+    x = x[torch.isfinite(x).all(dim=1)]
+    if x.shape[0] == 0:
+        return torch.full(parts.shape[1:], float("nan"), dtype=parts.dtype)
+    center = _middle(x.sort(dim=0).values)
+    offsets = x - center
+    distance = offsets.norm(dim=1)
+    tau = clip_factor * distance.sort().values[(x.shape[0] - 1) // 2]  # the lower middle: no rogue's
+    scale = torch.where(distance > tau, tau / distance.clamp_min(1e-300), torch.ones_like(distance))
+    result = center + (offsets * scale[:, None]).mean(dim=0)
+    return result.to(parts.dtype).reshape(parts.shape[1:])
+
+
+def aggregation_rule(name: str, clip_factor: float = 2.0) -> AggregationRule | None:
+    """The rule called ``name`` (``AGGREGATIONS``); None for the plain mean (hivemind's own reduction)."""
+    if name == "mean":
+        return None
+    if name == "centered_clip":
+        return functools.partial(centered_clip, clip_factor=clip_factor)
+    raise ValueError(f"unknown aggregation rule {name!r}: one of {', '.join(AGGREGATIONS)}")

@@ -1,0 +1,90 @@
+"""Our reducer inside hivemind's all-reduce, on real averagers and p2pd: stated weights are ignored and a
+rule bounds a rogue member part by part."""
+
+import pytest
+import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.utils import MSGPackSerializer
+
+from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.hivemind_transport import HivemindTransport
+from swarm.net.timing import Timing
+from swarm.sync.robust_mean import aggregation_rule, centered_clip
+
+pytestmark = pytest.mark.timeout(180)
+TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
+                final_agreement_s=5.0)  # fmt: skip
+NUMEL = 300_000  # three parts of hivemind's 512 KiB: every member reduces some of it
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = start_dht()
+    nodes = [first, start_dht(visible_maddrs(first)), start_dht(visible_maddrs(first))]
+    yield nodes
+    for node in reversed(nodes):
+        node.shutdown()
+
+
+def _average(dhts, name, sent, rule, rogue_weight=1.0):
+    """Every member's outcome of one all-reduce; member 1 states ``rogue_weight`` to hivemind."""
+    groups = [HivemindTransport(d, TIMING, rule=rule).open(name, sent[0]) for d in dhts]
+    try:
+        handles = []
+        for i, (group, tensors) in enumerate(zip(groups, sent, strict=True)):
+            if i == 1:  # what HivemindGroup.start does, with another weight
+                group._fill(tensors)
+                group.averager.expect_members(3)
+                handles.append(group.averager.step(gather=MSGPackSerializer.dumps({}), weight=rogue_weight,
+                                                   timeout=20, wait=False, allow_retries=False))  # fmt: skip
+            else:
+                handles.append(group.start(iter(tensors), {}, matchmaking_s=20, expected=3))
+        return [g.outcome(h, timeout=40) for g, h in zip(groups, handles, strict=True)]
+    finally:
+        for g in groups:
+            g.close()
+
+
+def _members(attack: str) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(NUMEL, generator=g)
+    step = 0.01 * torch.randn(NUMEL, generator=g)
+    honest = [reference + step + 0.002 * torch.randn(NUMEL, generator=g) for _ in range(2)]
+    rogue = {
+        "negated": reference - step,
+        "scaled": reference + 3 * step,
+        "nan": torch.full((NUMEL,), float("nan")),
+        "huge": torch.full((NUMEL,), 1e38),
+    }[attack]
+    return [[honest[0], torch.ones(1)], [rogue, torch.ones(1)], [honest[1], torch.ones(1)]]
+
+
+def _per_part(stacked: torch.Tensor) -> torch.Tensor:
+    """centered_clip applied to each of hivemind's parts, as the reducers do."""
+    values = DEFAULT_PART_SIZE_BYTES // 4
+    return torch.cat([centered_clip(p) for p in stacked.split(values, dim=1)])
+
+
+@pytest.mark.parametrize("attack", ["negated", "scaled", "nan", "huge"])
+def test_a_rogue_member_is_clipped_in_every_part(dhts, attack):
+    sent = _members(attack)
+    outcomes = _average(dhts, f"t_clip_{attack}", sent, aggregation_rule("centered_clip"))
+    expected = _per_part(torch.stack([s[0] for s in sent]))
+    honest_mean = (sent[0][0] + sent[2][0]) / 2
+    spread = (sent[0][0] - sent[2][0]).norm()
+    for out in (outcomes[0], outcomes[2]):  # the rogue's own is its values plus (result - them): garbage
+        assert out.ok, out.reason
+        assert torch.allclose(out.tensors[0], expected, atol=1e-5)
+        assert out.tensors[1].item() == pytest.approx(1.0)  # the weights part is agreed, so untouched
+        assert (out.tensors[0] - honest_mean).norm() <= 2 * spread  # the honest members' own spread
+    if attack in ("negated", "scaled"):  # the plain mean would have moved by far more
+        plain = torch.stack([s[0] for s in sent]).mean(0)
+        assert (plain - honest_mean).norm() > 3 * (expected - honest_mean).norm()
+
+
+def test_a_stated_weight_is_ignored_by_the_mean(dhts):
+    sent = [[torch.full((NUMEL,), v), torch.ones(1)] for v in (0.0, 6.0, 3.0)]
+    outcomes = _average(dhts, "t_weight", sent, rule=None, rogue_weight=1e7)
+    for out in outcomes:
+        assert out.ok, out.reason
+        assert torch.allclose(out.tensors[0], torch.full((NUMEL,), 3.0))  # (0 + 6 + 3) / 3, not ~6 by weight
