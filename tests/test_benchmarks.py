@@ -1,4 +1,5 @@
-"""Smoke tests of benchmarks/memory.py, step_speed.py and gpu_step.py at a tiny shape (seconds, no speed asserts).
+"""Smoke tests of benchmarks/memory.py, step_speed.py, gpu_step.py (tiny shapes) and aggregation.py (seconds,
+no speed asserts).
 
 Each script runs as a subprocess with ``--tiny --json``; the tests check the exit code and the ratios the
 JSON reports. Timings are never asserted (the machine is shared and noisy): only that they were measured.
@@ -26,6 +27,7 @@ RUNS = {
     "step_speed": ["step_speed.py", *"--tiny --layers 1 --threads 1 --warmup 1 --rounds 2 --json".split()],
     "gpu_step": ["gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split()],
     "gpu_step_bare": ["gpu_step.py"],  # no arguments: skips on a machine without CUDA
+    "aggregation": ["aggregation.py", *"--repeats 1 --members 2 3 --json".split()],
 }
 
 
@@ -75,6 +77,14 @@ def _stdout(runs: dict, name: str, timeout: int = 180) -> str:
 
 def _run(runs: dict, name: str) -> dict:
     return json.loads(_stdout(runs, name))
+
+
+def test_aggregation_benchmark_times_both_rules_per_group_size(runs):
+    rows = [json.loads(line) for line in _stdout(runs, "aggregation").splitlines()]
+    assert [r["members"] for r in rows] == [2, 3]
+    for r in rows:
+        assert r["mean_s"] > 0 and r["centered_clip_s"] > 0 and r["bytes_ratio"] == 1.0
+        assert r["values"] > 1_000_000  # the demo's dense weights
 
 
 def test_memory_benchmark_tiny(runs):

@@ -146,20 +146,33 @@ def test_a_member_with_another_rule_makes_every_member_drop_the_round():
         assert any("another rule" in r for r in results[p].record.rejected), results[p].record.rejected
 
 
-@pytest.mark.parametrize("kind", ["partial", "drop", "nan", "silent"])
+def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
+    swarm = Swarm(peers, faults=[Fault("silent", peer="b")])  # it never publishes a digest
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    want = [torch.stack([swarm.dense[p][0] for p in peers]).mean(0)]
+    for p in ("a", "c"):  # the dense group of three: two agree, the third is silent past the grace period
+        assert torch.allclose(results[p].dense[1][0], want[0], atol=1e-6)
+        assert not any(r.startswith("dense") for r in results[p].record.rejected), results[p].record
+    # c is in no other group: its checks ended after the grace period, long before the deadline
+    assert results["c"].record.phase_seconds["checks"] < TIMING.round_s / 3, results["c"].record
+    # experts 0-1 are averaged by a and b alone: a cannot tell a silent b from a dead one, so drops them
+    assert results["a"].experts == {}
+    assert any("experts 0,1: partial round: no digest" in r for r in results["a"].record.rejected)
+
+
+@pytest.mark.parametrize("kind", ["partial", "drop", "nan"])
 def test_a_faulty_member_makes_every_member_drop_the_round(kind):
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     # centered clipping would leave a NaN member out and apply the round (test above): the mean cannot
     sync = SyncConfig(aggregation="mean") if kind == "nan" else None
-    swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=None if kind == "silent" else 1)], sync=sync)
+    swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=1)], sync=sync)
     results = swarm.round({p: swarm.plan(p) for p in peers})
-    for p in peers if kind != "silent" else ["a", "c"]:  # a silent member sees the others' digests
+    for p in peers:
         rec = results[p].record
         assert results[p].dense is None, (p, rec)
         assert any(r.startswith("dense") for r in rec.rejected), (p, rec.rejected)
     assert results["a"].experts == {} and results["c"].dense is None
-    if kind == "silent":  # it stays silent
-        return
     # the next round, without the fault, is clean
     results = swarm.round({p: swarm.plan(p, index=2) for p in peers})
     assert all(results[p].record.rejected == [] and results[p].dense is not None for p in peers)

@@ -345,7 +345,10 @@ def _confirmed(
     key, mine = published
     tolerance = ctx.payloads.codec.tolerance
     floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
-    ok, why = await_digests(ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor)
+    ok, why = await_digests(
+        ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
+        grace=ctx.timing.quorum_grace_s,
+    )  # fmt: skip
     if not ok:
         return None, why
     sizes = {i: len(local[i]) for i in spec.items}

@@ -2,9 +2,12 @@
 
 hivemind can report success when a peer died mid-round and part of a tensor was never averaged (NOTES.md:
 12% true mean, 29% 2-peer mean, 57% untouched). Every member therefore publishes a digest of its result
-under a key derived from the group (its members and their round info), waits for the digests of all other
-members, and applies the result only if every member reported and all digests agree. A dead member never
-reports, and an untouched part makes digests disagree, so either way the round is dropped by everyone.
+under a key derived from the group (its members and their round info), waits for the digests of the other
+members, and applies the result only if all digests it got agree and every member reported, or a majority
+of at least two did and the rest stayed silent for a grace period. An untouched part makes digests
+disagree: a member that died mid-round left its share untouched, so the survivors' results differ, and in a
+group of two the one left alone waits for a digest that never comes; either way the round is dropped by
+everyone. A member that is alive but withholds its digest no longer vetoes a round of three or more.
 
 The digest is a few fixed random projections of each segment of each tensor: insensitive to last-bit
 rounding (members add deltas in a different order), sensitive to any part left unaveraged.
@@ -26,6 +29,7 @@ from swarm.net.transport import Store
 SEGMENTS = 16
 MAX_PAIRS = 96
 REL_TOLERANCE = 1e-4
+QUORUM_GRACE_S = 3.0  # how long a majority waits for the silent members' digests
 
 
 def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> str:
@@ -103,11 +107,14 @@ def await_digests(
     tolerance: float = REL_TOLERANCE,
     floor: Sequence[float] | None = None,
     poll: float = 0.25,
+    grace: float = QUORUM_GRACE_S,
 ) -> tuple[bool, str]:
     """Wait until every other member's digest is in and agrees with ours (within the codec's
-    ``tolerance``). Returns (ok, reason)."""
+    ``tolerance``), or a majority of at least two members agree and the others stayed silent ``grace``
+    seconds since. Returns (ok, reason); a reason with ok says who was missing."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
+    quorum_since = None
     while True:
         found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
         seen = {peer: value for peer, (value, _) in found.items()}
@@ -118,6 +125,11 @@ def await_digests(
         missing = others - set(seen)
         if not missing:
             return True, ""
+        agreeing = 1 + len(others) - len(missing)
+        if agreeing >= 2 and 2 * agreeing > len(others) + 1:
+            quorum_since = time.monotonic() if quorum_since is None else quorum_since
+            if time.monotonic() - quorum_since >= min(grace, max(0.0, deadline - quorum_since)):
+                return True, f"applied by a majority: no digest from {len(missing)} member(s)"
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)

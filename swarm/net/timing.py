@@ -53,6 +53,11 @@ class Timing:
         return self.round_s + self.matchmaking_s
 
     @property
+    def quorum_grace_s(self) -> float:
+        """How long a majority of a group that agree wait for a silent member's digest (round_consensus)."""
+        return min(3.0, self.round_s / 10)
+
+    @property
     def join_round_s(self) -> float:
         """How long leaving waits for a round in flight to end (its own timeout, plus a margin)."""
         return self.round_s + 5
