@@ -141,10 +141,14 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
         # stopped on its own soon after could see no round: on a loaded machine, its few sync points can all
         # fall while the others are still in rounds of their own, or in their last round)
         back = start(2, 3, "--resume")
+
         # the survivors do not stall on the dead peer: their rounds go on averaging the dense weights (peer 1
-        # shows it; peer 0 may be near its end by now, on a loaded machine)
+        # shows it; peer 0 may be near its end by now: a round the dead peer was in waits out its 30 s timeout)
+        def dense_rounds(i):
+            return [r.step for r in round_records(runs[i]) if "dense" in r.applied_groups]
+
         wait_until(
-            lambda: any(r.step > at_kill[1] and "dense" in r.applied_groups for r in round_records(runs[1])),
+            lambda: len(dense_rounds(1)) >= 2 and max(dense_rounds(1)) > at_kill[1],
             60,
             "a dense round of peer 1 after the kill",
         )
@@ -173,7 +177,8 @@ def test_peer_killed_mid_round_then_resumed(tiny_config, tmp_path, bootstrap_pee
             ckpt = load_checkpoint(latest_checkpoint(runs[i] / "checkpoints"))
             assert all(torch.isfinite(t).all() for t in ckpt.model.values())
             rounds = round_records(runs[i])
-            assert sum(1 for r in rounds if "dense" in r.applied_groups) >= 2
+            # peer 0 (36 s in all) may have no sync point left after the round that the kill made wait 30 s
+            assert len(dense_rounds(i)) >= (2 if i == 1 else 1), rounds
             assert all(r.dense_group <= 3 for r in rounds)
             assert all(math.isfinite(r.sync_seconds) and r.sync_seconds <= 30 + 5 for r in rounds)
         log = (tmp_path / "p2.err").read_text()
