@@ -17,8 +17,14 @@ Relative to ``a``, the last dense average it got back, and ``x``, its own weight
 
 Printed per run: the honest peers' final validation loss (after their last round), how many dense rounds
 they applied, and the rule and attack. The honest peers run unmodified code; a rule holds an attack when
-their loss stays near the control's and rounds keep applying. The rogue's experts are left alone (served
-copies are a separate attack). Every process is stopped by PID and checked.
+their loss stays near the control's and rounds keep applying. Every process is stopped by PID and checked.
+
+Poisoned expert copies (``--attacks copy_negated copy_zero copy_x100``, rule as given): the rogue holds 4 of
+the 16 experts, trains them honestly, and serves them negated, zeroed or x100 to every downloader. Halfway
+through, a fourth (honest) peer joins and catches up. Printed: how many of the rogue's copies the honest
+peers refused, whether any honest peer or the joiner ended holding a poisoned copy of the rogue's experts
+(a copy that points away from the rogue's own weights, or whose norm is off by more than 2x), the
+joiner's catch-up line and its first validation loss next to the honest peers' latest.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ("none", "negated", "scaled", "nan", "huge", "weight")
+COPY_ATTACKS = {"copy_negated": -1.0, "copy_zero": 0.0, "copy_x100": 100.0}  # what the served copies are x
 
 
 def _poison(kind: str, x, a):
@@ -52,11 +59,23 @@ def _poison(kind: str, x, a):
 
 
 def run_rogue(kind: str, peer_args: list[str]) -> int:
-    """The peer's own main, with the dense payload (or the stated weight) replaced."""
+    """The peer's own main, with the dense payload (or the stated weight, or its served copies) replaced."""
     import swarm.net.swarm_sync as swarm_sync
     from peers.main import main
+    from swarm.net.expert_server import ExpertServer
     from swarm.net.serving_averager import ServingAverager
     from swarm.train.process_exit import exit_process
+
+    if kind in COPY_ATTACKS:
+        factor, honest_update = COPY_ATTACKS[kind], ExpertServer.update
+
+        def poisoned(self, items, step, final):
+            return honest_update(
+                self, {i: [factor * t.float() for t in ts] for i, ts in items.items()}, step, final
+            )
+
+        ExpertServer.update = poisoned
+        return exit_process(main(peer_args))
 
     honest_round, agreed = swarm_sync.run_round, {}
 
@@ -133,6 +152,92 @@ def run_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
     }
 
 
+def run_copy_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
+    """Two honest peers and a rogue serving poisoned copies of its experts; an honest joiner halfway."""
+    py, env = sys.executable, {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run = work / f"{rule}-{attack}"
+    run.mkdir(parents=True)
+    key, run_id = run / "swarm.key", f"atk-{rule.replace('_', '')}-{attack.replace('_', '')}-{os.getpid()}"
+    sets = ["--set", f"run_id={run_id}", "--set", f"sync.aggregation={rule}", "--set", "train.threads=1"]
+    boot_log = open(run / "bootstrap.log", "w")
+    procs = [subprocess.Popen([py, "-m", "bootstrap.main", "--new-swarm", "--swarm-key", str(key)], cwd=ROOT,
+                              env=env, stdout=boot_log, stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
+
+    def start(i: int, stop_at: float) -> None:
+        args = ["--config", str(ROOT / "configs/demo.yaml"), "--initial-peers", maddr, "--swarm-key", str(key),
+                "--run-dir", str(run / f"peer{i}"), "--stop-at", str(stop_at), "--no-progress", *sets]  # fmt: skip
+        cmd = [py, __file__, "--rogue", attack, "--", *args] if i == 2 else [py, "-m", "peers.main", *args]
+        with open(run / f"peer{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
+
+    try:
+        maddr = _wait_maddr(run / "bootstrap.log", procs[0])
+        t0 = time.time()
+        stop_at = t0 + 20 + 60 * minutes
+        for i in range(3):
+            start(i, stop_at)
+        time.sleep(max(0.0, t0 + 20 + 30 * minutes - time.time()))
+        start(3, stop_at)  # the joiner
+        bound = stop_at - time.time() + 120
+        codes = [p.wait(timeout=max(1.0, bound)) for p in procs[1:]]
+    finally:
+        _stop(procs)
+    return {"rule": rule, "attack": attack, **_copies_summary(run), "exit_codes": codes}
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _copies_summary(run: Path) -> dict:
+    """Refusals of the rogue's copies, poisoned copies held at the end, and what the joiner took."""
+    import torch
+
+    from swarm.sync.copy_prints import copy_doubt
+    from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    ckpts = [load_checkpoint(latest_checkpoint(run / f"peer{i}" / "checkpoints")) for i in range(4)]
+    rogue_experts = ckpts[2].state["local_experts"]
+
+    def copy(i: int, e: int) -> list[torch.Tensor]:
+        return [t[e] for k, t in sorted(ckpts[i].model.items()) if ".experts." in k]
+
+    poisoned = {i: [e for e in rogue_experts if copy_doubt(copy(i, e), copy(2, e))] for i in (0, 1, 3)}
+    refused = 0
+    for i in (0, 1, 3):
+        for line in (run / f"peer{i}" / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            refused += sum(
+                1 for why in rec.get("rejected") or [] if any(f"expert{e} " in why for e in rogue_experts)
+            )
+    log = (run / "peer3.log").read_text()
+    caught = next((ln for ln in log.splitlines() if ln.startswith("caught up with the swarm")), "")
+    metrics = [json.loads(ln) for ln in (run / "peer3" / "metrics.jsonl").read_text().splitlines()]
+    joined = next((r for r in metrics if "val_loss" in r), {})
+    honest_then = []  # the joiner came halfway through: the honest peers' validation loss nearest to then
+    for i in (0, 1):
+        vals = [json.loads(ln) for ln in (run / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
+        vals = [(r["step"], r["val_loss"]) for r in vals if "val_loss" in r]
+        half = max(s for s, _ in vals) / 2 if vals else 0
+        honest_then.append(min(vals, key=lambda sv: abs(sv[0] - half))[1] if vals else None)
+    return {
+        "rogue_experts": rogue_experts,
+        "refused_copies": refused,
+        "poisoned_copies_held": poisoned,
+        "joiner_caught_up": caught,
+        "joiner_first_val_loss": joined.get("val_loss"),
+        "honest_val_loss_at_mid_run": honest_then,
+    }
+
+
 def _summary(run: Path, i: int) -> dict:
     """An honest peer's validation loss after its last round (the summary line it prints) and its rounds."""
     val, dense, of3 = None, 0, 0
@@ -152,7 +257,7 @@ def main() -> int:
         i = sys.argv.index("--rogue")
         return run_rogue(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1 :])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=[*ATTACKS, *COPY_ATTACKS])
     ap.add_argument("--rules", nargs="+", default=["mean", "centered_clip"])
     ap.add_argument("--minutes", type=float, default=1.5)
     ap.add_argument("--json", action="store_true")
@@ -160,8 +265,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="swarm-attacks-") as tmp:
         for rule in args.rules:
             for attack in args.attacks:
-                row = run_scenario(rule, attack, args.minutes, Path(tmp))
-                if args.json:
+                scenario = run_copy_scenario if attack in COPY_ATTACKS else run_scenario
+                row = scenario(rule, attack, args.minutes, Path(tmp))
+                if args.json or attack in COPY_ATTACKS:
                     print(json.dumps(row), flush=True)
                 else:
                     losses = ", ".join(

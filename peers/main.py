@@ -116,8 +116,9 @@ def _own_process_group() -> None:
 def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
     from swarm.net.dht_node import start_dht, visible_maddrs
-    from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
-    from swarm.net.joining import catch_up, claim_experts, open_swarm_sync
+    from swarm.net.hivemind_transport import HivemindStore, HivemindTransport, copy_bound
+    from swarm.net.catch_up import catch_up
+    from swarm.net.joining import claim_experts, open_swarm_sync
     from swarm.net.records import check_or_publish_fingerprint
     from swarm.net.timing import Timing
 
@@ -148,7 +149,8 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
     caught_up = None
     if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
-        transport = HivemindTransport(dht, Timing.from_config(cfg.sync))
+        bound = copy_bound(trainer.model)
+        transport = HivemindTransport(dht, Timing.from_config(cfg.sync), max_copy_bytes=bound)
         caught_up = catch_up(transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s)
     print(
         f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "

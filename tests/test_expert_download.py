@@ -41,15 +41,15 @@ def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_
     assert failures == [] and got[3][0].tolist() == [[0.5] * 4] * 8 and _moved(net) == [32]
     # after the last round: the first answer comes whole (kept if the holder never settles), then metadata
     # only until the copy is final
-    threading.Timer(1.2, server.update, ({"expert3": [torch.full((8, 4), 0.25)]}, 100, True)).start()
+    threading.Timer(1.2, server.update, ({"expert3": [torch.full((8, 4), 0.375)]}, 100, True)).start()
     got, _, failures = downloads.fetch({3: [("b", 100)]}, mine, 100, True, time.monotonic() + 5)
     polls = _moved(net)[1:]
-    assert failures == [] and got[3][0].tolist() == [[0.25] * 4] * 8
+    assert failures == [] and got[3][0].tolist() == [[0.375] * 4] * 8
     assert polls[0] == 32 and polls[-1] == 32 and set(polls[1:-1]) == {0} and len(polls) >= 3, polls
     # a holder that never settles: the newest copy it served, and the failure said
-    server.update({"expert3": [torch.full((8, 4), 0.125)]}, step=110, final=False)
+    server.update({"expert3": [torch.full((8, 4), 0.4375)]}, step=110, final=False)
     got, _, failures = downloads.fetch({3: [("b", 110)]}, mine, 110, True, time.monotonic() + 1.5)
-    assert got[3][0].tolist() == [[0.125] * 4] * 8
+    assert got[3][0].tolist() == [[0.4375] * 4] * 8
 
 
 def test_fresh_reads_served_metadata_and_refuses_what_is_malformed():
@@ -61,3 +61,41 @@ def test_fresh_reads_served_metadata_and_refuses_what_is_malformed():
     assert not Fresh(("expert2",), None, final=False)(meta)
     for bad in ({}, {"items": "expert1", "steps": [1], "final": [0]}, {"items": ["expert1"], "steps": ["x"]}):
         assert not Fresh(("expert1",), None, final=False)(bad)
+
+
+def test_a_zeroed_negated_or_scaled_copy_is_refused_and_the_next_holder_asked():
+    net = LocalNetwork()
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    g = torch.Generator().manual_seed(0)
+    mine = {e: [torch.randn(8, 4, generator=g)] for e in range(4)}
+    later = {e: [mine[e][0] + 0.05 * torch.randn(8, 4, generator=g)] for e in range(4)}
+    for poison in (torch.zeros_like, torch.neg, lambda t: 3 * t):
+        rogue, honest = ExpertServer(net.transport("r").open_server("t_experts")), _holder(net)
+        rogue.update({f"expert{e}": [poison(later[e][0])] for e in (0, 1)}, step=100, final=False)
+        honest.update({f"expert{e}": later[e] for e in range(4)}, step=90, final=False)
+        holders = {0: [("r", 100), ("b", 90)], 1: [("r", 100)], 2: [("b", 90)], 3: [("b", 90)]}
+        got, rejected, _ = downloads.fetch(holders, mine, 100, False, time.monotonic() + 5)
+        assert sorted(got) == [0, 2, 3] and len(rejected) == 2, rejected  # expert 1 has no other holder
+        assert all(r.startswith(("expert0 from r", "expert1 from r")) for r in rejected)
+        assert torch.allclose(got[0][0].float(), later[0][0], atol=1e-2)
+
+
+def test_an_expert_still_at_its_initialisation_is_judged_by_the_swarms_print():
+    from swarm.sync.copy_prints import copy_print
+
+    net = LocalNetwork()
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    init = {3: [torch.full((8, 4), 0.5)]}
+    trained = [torch.linspace(-1.0, 2.0, 32).reshape(8, 4)]  # far from the initialisation: no change of it
+    downloads.judge_by_prints({3: copy_print(trained)})
+    server = _holder(net)
+    server.update({"expert3": [-trained[0]]}, step=100, final=False)
+    got, rejected, _ = downloads.fetch({3: [("b", 100)]}, init, 100, False, time.monotonic() + 5)
+    assert got == {} and "points away" in rejected[0]
+    server.update({"expert3": trained}, step=110, final=False)
+    got, rejected, _ = downloads.fetch({3: [("b", 110)]}, init, 110, False, time.monotonic() + 5)
+    assert rejected == [] and torch.allclose(got[3][0].float(), trained[0], atol=1e-2)
+    # from now on our copy is the swarm's, and the next copy is judged against it
+    server.update({"expert3": [torch.zeros(8, 4)]}, step=120, final=False)
+    got, rejected, _ = downloads.fetch({3: [("b", 120)]}, {3: got[3]}, 120, False, time.monotonic() + 5)
+    assert got == {} and "norm" in rejected[0]

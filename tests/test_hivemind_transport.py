@@ -88,6 +88,11 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
         assert moved < 2**16, moved  # less than one streamed part of the copy
         fresh = transport.fetch(holder, "t_experts", timeout=20, accept=Fresh(("expert0",), 2, final=False))
         assert fresh.tensors[0].shape == (EXPERT_NUMEL,)
+        # a copy larger than the downloader's bound (``copy_bound``) is cut off, not taken into memory
+        capped = HivemindTransport(boot, TIMING, max_copy_bytes=EXPERT_NUMEL)  # half the fp16 copy
+        assert capped.fetch(holder, "t_experts", timeout=20) is None
+        roomy = HivemindTransport(boot, TIMING, max_copy_bytes=3 * EXPERT_NUMEL)
+        assert roomy.fetch(holder, "t_experts", timeout=20).tensors[0].shape == (EXPERT_NUMEL,)
         assert transport.fetch("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo", "t_dense", 3) is None
         for p in procs:
             p.join(timeout=30)

@@ -4,11 +4,12 @@ import torch
 
 from swarm.config import ModelConfig
 from swarm.model import MoETransformer
+from swarm.net.catch_up import catch_up
 from swarm.net.expert_tensors import dense_tensors, expert_tensors
 from swarm.net.group_layout import DENSE, GroupSpec, pack
-from swarm.net.joining import catch_up
 from swarm.net.local_transport import LocalNetwork
 from swarm.net.records import Heartbeat
+from swarm.sync.copy_prints import copy_print
 
 MODEL = ModelConfig(
     vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_experts=4, expert_hidden=8, max_seq_len=256
@@ -55,3 +56,70 @@ def test_a_reference_id_that_is_not_a_short_string_is_not_taken():
         mine = MoETransformer(MODEL, [2, 3])
         caught = catch_up(net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10)}, 2.0)
         assert caught.dense and caught.reference is None, ref
+
+
+def _serving(net: LocalNetwork, peer: str, model: MoETransformer, poison=None, dense_poison=None) -> None:
+    """``peer`` serves ``model``'s dense weights with prints of all its copies, and its local experts
+    (``poison``: what it does to the expert copies it serves; ``dense_poison``: to its dense weights)."""
+    from swarm.net.served_prints import served_prints
+
+    transport, dense = net.transport(peer), dense_tensors(model)
+    copies = {e: expert_tensors(model, e) for e in range(MODEL.n_experts)}
+    served = [dense_poison(t) for t in dense] if dense_poison else dense
+    meta = {"items": [DENSE], "step": 10, "prints": served_prints(dense, copies)}
+    transport.open("t_dense", dense).serve(list(pack(DENSE_SPEC, {DENSE: served}, {DENSE: 1.0})), meta)
+    local = model.local_experts
+    tensors = [(poison or (lambda t: t))(t).half() for e in local for t in copies[e]]
+    meta = {"items": [f"expert{e}" for e in local], "steps": [10] * len(local), "final": [False] * len(local)}
+    transport.open_server("t_experts").serve(tensors, meta)
+
+
+def _trained(local: list[int]) -> MoETransformer:
+    """The swarm's model after training: the initialisation moved by as much again (the same on every peer)."""
+    model = MoETransformer(MODEL, local)
+    model.init_weights(7)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for e in range(MODEL.n_experts):
+            for t in expert_tensors(model, e):
+                t.add_(torch.randn(t.shape, generator=g) * t.std() * 1.5)
+        for t in dense_tensors(model):
+            t.add_(torch.randn(t.shape, generator=g) * 0.05)
+    return model
+
+
+def test_a_joiner_refuses_copies_that_the_other_peers_prints_contradict_and_takes_honest_ones():
+    for poison in (torch.neg, torch.zeros_like, lambda t: 3 * t):
+        net = LocalNetwork()
+        honest = _trained([0, 1])
+        _serving(net, "a", honest)  # holds 0 and 1
+        _serving(net, "c", _trained([2, 3]), poison=poison, dense_poison=lambda t: -t)  # holds 2 and 3
+        mine = MoETransformer(MODEL, [0, 1])
+        mine.init_weights(7)
+        peers = {"a": Heartbeat(experts=[0, 1], step=10), "c": Heartbeat(experts=[2, 3], step=12)}
+        caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0)
+        # c is the freshest, but its dense weights and its experts contradict a's prints
+        assert caught.dense and caught.experts == 2, caught.refused
+        assert sorted(w.split(":")[0] for w in caught.refused) == ["expert2 from c", "expert3 from c",
+                                                                  "the dense weights of c"]  # fmt: skip
+        for got, want in zip(dense_tensors(mine), dense_tensors(honest), strict=True):
+            assert torch.equal(got, want)
+        fresh = MoETransformer(MODEL, [0, 1])
+        fresh.init_weights(7)
+        for e in (2, 3):  # refused: still the initialisation, to be judged by the swarm's print later
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(expert_tensors(mine, e), expert_tensors(fresh, e), strict=True)
+            )
+            assert torch.allclose(caught.unverified[e], copy_print(expert_tensors(honest, e)), atol=1e-2)
+        for e in (0, 1):
+            assert all(torch.equal(a, b.half().float()) for a, b in
+                       zip(expert_tensors(mine, e), expert_tensors(honest, e), strict=True))  # fmt: skip
+
+
+def test_without_other_peers_prints_a_copy_is_taken_on_shape_and_finiteness_alone():
+    net = LocalNetwork()
+    _serving(net, "c", _trained([2, 3]), poison=torch.neg)
+    mine = MoETransformer(MODEL, [0, 1])
+    caught = catch_up(net.transport("b"), "t", mine, {"c": Heartbeat(experts=[2, 3], step=12)}, timeout=2.0)
+    assert caught.dense and caught.experts == 2 and caught.refused == [] and caught.unverified == {}

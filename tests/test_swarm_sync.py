@@ -32,7 +32,11 @@ SYNC = SyncConfig(
 def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int, sync: SyncConfig = SYNC):
     cfg = RunConfig(run_id="t", model=MODEL, sync=sync)
     model = MoETransformer(MODEL, experts)
-    model.init_weights(seed)
+    model.init_weights(0)  # the same initialisation on every peer, then some training of each peer's own
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
     timing = Timing.from_config(SYNC)
     members = Membership(net.store(me), me, "t", timing, experts, MODEL.n_experts, SYNC.orphan_grace_s)
     return model, SwarmSync(cfg, net.store(me), net.transport(me), model, members)

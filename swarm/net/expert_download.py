@@ -9,7 +9,10 @@ first could not give; holders are asked at once (a thread each), so a round wait
 their sum. In an ordinary round a holder still in the same round is asked again until the
 deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
 round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
-the tensor checks against ours, and stays fp16 as it travelled.
+the tensor checks against ours, and stays fp16 as it travelled. Copies of one fetch must also move alike:
+one whose change since our copy is far above the median change of the fetch's copies (``outlying_changes``),
+or whose norm is far off ours or which points away from ours (``copy_doubt``: a holder that negated,
+zeroed or scaled what it serves) is refused, and asked of the next holder.
 
 With a lossy codec (``deltas_name``: the holders' ``ExpertServer`` serves changes), an expert whose copy came
 from a holder is refreshed from that holder's change against it, encoded by the codec, when the change
@@ -29,8 +32,9 @@ import torch
 from swarm.net.expert_server import copy_hash
 from swarm.net.group_layout import expert_item, served_items
 from swarm.net.transport import GroupTransport, Served
-from swarm.sync import RejectedTensor, check_tensors
+from swarm.sync import RejectedTensor, check_tensors, outlying_changes, relative_change
 from swarm.sync.codecs import Codec
+from swarm.sync.copy_prints import copy_doubt, copy_print
 
 RETRY_S = 0.5
 MAX_EMPTY_ANSWERS = 5  # a holder serves nothing until its first round; an ordinary round gives up
@@ -53,6 +57,18 @@ class ExpertDownloads:
         self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
         self._received_lock = threading.Lock()  # holders are asked from threads of their own
+        self._print_refs: dict[
+            int, torch.Tensor
+        ] = {}  # expert -> the swarm's print, while ours is no reference
+
+    def judge_by_prints(self, references: Mapping[int, torch.Tensor]) -> None:
+        """Judge the next copies of these experts by the swarm's prints (``swarm.net.catch_up``) instead of
+        by our copy, which is still the initialisation: no reference for an expert the swarm has trained."""
+        self._print_refs = dict(references)
+
+    def _doubt(self, e: int, tensors: list[torch.Tensor], mine: list[torch.Tensor]) -> str:
+        ref = self._print_refs.get(e)
+        return copy_doubt(tensors, mine) if ref is None else copy_doubt([copy_print(tensors)], [ref])
 
     def fetch(
         self,
@@ -69,6 +85,7 @@ class ExpertDownloads:
         failures: list[str] = []
         self.received = 0
         ranked = {e: sorted(hs, key=lambda h: -h[1])[:2] for e, hs in holders.items() if hs}
+        changes: dict[int, float] = {}  # of the copies taken so far: what a second holder's are judged by
         for attempt in range(2):
             by_peer: dict[tuple[str, int], list[int]] = {}
             for e, hs in ranked.items():
@@ -82,11 +99,29 @@ class ExpertDownloads:
                     for (peer, peer_step), wanted in by_peer.items()
                 ]
                 answers = [(peer, a.result()) for (peer, _), a in zip(by_peer, asked, strict=True)]
+            # an expert judged by prints has no copy of ours to have changed from
+            new = {
+                e: relative_change(ts, mine[e])
+                for _, a in answers
+                for e, ts in a.copies.items()
+                if e not in self._print_refs
+            }
+            outliers, median = outlying_changes(changes | new)
             for peer, answer in answers:
+                for e in sorted(answer.copies):
+                    why = self._doubt(e, answer.copies[e], mine[e])
+                    if e in outliers:
+                        why = f"changed {new[e]:.3g} of its norm, the fetch's median copy {median:.3g}"
+                    if why:
+                        del answer.copies[e]
+                        rejected.append(f"expert{e} from {peer[-8:]}: {why}")
                 got |= answer.copies
                 self._source |= dict.fromkeys(answer.copies, peer)
+                for e in answer.copies:
+                    self._print_refs.pop(e, None)
                 rejected += answer.rejected
                 failures += answer.failures
+            changes |= {e: c for e, c in new.items() if e in got}
         return got, rejected, failures
 
     def _from_holder(

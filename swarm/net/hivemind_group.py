@@ -196,14 +196,27 @@ def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> No
         t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def download_state(dht: hivemind.DHT, peer: str, prefix: str, timeout: float = 30.0, accept=None):
+def download_state(
+    dht: hivemind.DHT,
+    peer: str,
+    prefix: str,
+    timeout: float = 30.0,
+    accept=None,
+    max_bytes: int | None = None,
+):
     """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout;
     ``accept(metadata)`` (picklable) false: (metadata, [])."""
     try:
         key = getattr(dht, "swarm_key", None)
         token = key.member_token(dht.peer_id.to_base58()) if key is not None else b""
         fn = functools.partial(
-            fetch_copy, peer=peer, prefix=prefix, timeout=timeout, token=token, accept=accept
+            fetch_copy,
+            peer=peer,
+            prefix=prefix,
+            timeout=timeout,
+            token=token,
+            accept=accept,
+            max_bytes=max_bytes,
         )
         return dht.run_coroutine(fn, return_future=True).result(timeout=timeout + 5)
     except Exception:

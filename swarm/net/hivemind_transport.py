@@ -89,8 +89,12 @@ class HivemindTransport:
         timing: Timing,
         codec: Codec = CODECS["fp32"],
         rule: AggregationRule | None = None,
+        max_copy_bytes: int | None = None,
     ) -> None:
+        """``rule``: how our averagers reduce their parts (``swarm.sync.robust_mean``; None: the mean);
+        ``max_copy_bytes``: the largest served copy ``fetch`` takes (``copy_bound``); None: any."""
         self.dht, self.timing, self.codec, self.rule = dht, timing, codec, rule
+        self.max_copy_bytes = max_copy_bytes
         self.me = dht.peer_id.to_base58()
 
     def _group(
@@ -126,7 +130,9 @@ class HivemindTransport:
     def fetch(
         self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
     ) -> Served | None:
-        got = download_state(self.dht, peer, name, timeout=timeout, accept=accept)
+        got = download_state(
+            self.dht, peer, name, timeout=timeout, accept=accept, max_bytes=self.max_copy_bytes
+        )
         if got is None:
             return None
         meta = got[0] if isinstance(got[0], dict) else {}  # it answered, but serves nothing (yet)
@@ -134,3 +140,9 @@ class HivemindTransport:
 
     def close_groups(self, groups: Sequence[HivemindGroup]) -> None:
         close_groups(groups)
+
+
+def copy_bound(model: torch.nn.Module) -> int:
+    """The most a served copy of this model's tensors can take on the wire: every parameter in fp32 (the
+    dense copy travels exactly, expert copies in fp16 or less), plus framing."""
+    return int(4.2 * sum(p.numel() for p in model.parameters())) + 2**20

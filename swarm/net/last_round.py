@@ -29,6 +29,7 @@ from swarm.net.group_layout import (
     served_items,
 )
 from swarm.net.round_consensus import REL_TOLERANCE
+from swarm.net.served_prints import served_prints
 from swarm.train.round_record import RoundRecord
 from swarm.train.sync_hook import StepReport
 
@@ -84,7 +85,9 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
 
     def serve(name: str, tensors: list[torch.Tensor]) -> None:
         if name == DENSE:
+            copies = {e: expert_tensors(model, e) for e in range(sync.n_experts)}
             meta = {"items": [DENSE], "step": step, "round": index, "last": True}
+            meta["prints"] = served_prints(tensors, copies)
             group = ctx.groups.get(dense_spec, {DENSE: tensors})
             try:
                 group.serve(list(pack(dense_spec, {DENSE: tensors}, {DENSE: 1.0})), meta)

@@ -35,6 +35,7 @@ from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
 from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
 from swarm.net.round_payload import Payloads, SentPayload
+from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
 from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
 from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
@@ -186,8 +187,11 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             if group is not None:
                 # with a lossy codec, the agreed reference (a member that missed a round takes it from us)
                 ref_id, ref = ctx.payloads.reference(spec)
-                served = list(pack(spec, copies if ref is None else ref, {DENSE: 1.0}))
-                _serve_quietly(group, served, meta | {"ref": ref_id}, rec)
+                dense = copies[DENSE] if ref is None else ref[DENSE]
+                # with prints of every copy we hold, which joiners check what others give them against
+                prints = served_prints(dense, {**plan.frozen, **plan.experts})
+                served = list(pack(spec, {DENSE: dense}, {DENSE: 1.0}))
+                _serve_quietly(group, served, meta | {"ref": ref_id, "prints": prints}, rec)
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
             if plan.refresh:

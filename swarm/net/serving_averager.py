@@ -185,9 +185,12 @@ class ServingAverager(hivemind.DecentralizedAverager):
                 await p2p.shutdown()
 
 
-async def fetch_copy(dht, node, peer: str, prefix: str, timeout: float, token: bytes, accept=None):
+async def fetch_copy(
+    dht, node, peer: str, prefix: str, timeout: float, token: bytes, accept=None, max_bytes: int | None = None
+):
     """Runs inside the DHT process (``dht.run_coroutine``): stream one group's served copy from ``peer``,
-    showing our member ``token`` (b"" without a swarm key).
+    showing our member ``token`` (b"" without a swarm key). A copy larger than ``max_bytes`` is cut off and
+    gives None (a holder must not be able to fill our memory).
     Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
     ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
     ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile)."""
@@ -205,8 +208,12 @@ async def fetch_copy(dht, node, peer: str, prefix: str, timeout: float, token: b
             if not metadata_accepted(accept, meta):
                 return meta, []
         stream = await stub.rpc_fetch_copy(averaging_pb2.JoinRequest(gather=token))
-        meta, parts, tensors = None, [], []
+        meta, parts, tensors, size = None, [], [], 0
         async for msg in stream:
+            size += len(msg.tensor_part.buffer) + len(msg.metadata)
+            if max_bytes is not None and size > max_bytes:
+                await stream.aclose()
+                return None
             if msg.metadata:
                 meta = MSGPackSerializer.loads(msg.metadata)
                 if accept is not None and not metadata_accepted(accept, meta):

@@ -4,7 +4,14 @@ and the checks every received tensor must pass."""
 from swarm.sync.apply_average import OuterStep
 from swarm.sync.claims import choose_experts, orphan_claim_rank, orphan_swap, settle_joiners
 from swarm.sync.merge import merge_alpha_at, merge_experts, should_merge
-from swarm.sync.tensor_checks import RejectedTensor, check_tensor, check_tensors, clamp_weight
+from swarm.sync.tensor_checks import (
+    RejectedTensor,
+    check_tensor,
+    check_tensors,
+    clamp_weight,
+    outlying_changes,
+    relative_change,
+)
 
 __all__ = [
     "OuterStep",
@@ -16,7 +23,9 @@ __all__ = [
     "merge_alpha_at",
     "merge_experts",
     "orphan_claim_rank",
+    "outlying_changes",
     "orphan_swap",
+    "relative_change",
     "settle_joiners",
     "should_merge",
 ]

@@ -6,7 +6,12 @@ verifies shape, dtype, finiteness and distance from its own copy, and clamps the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 import torch
+
+K = TypeVar("K")
 
 
 class RejectedTensor(ValueError):
@@ -44,3 +49,34 @@ def clamp_weight(weight: float, max_weight: float) -> float:
     if weight != weight:  # NaN
         return 0.0
     return float(min(max(weight, 0.0), max_weight))
+
+
+# a copy that moved less than this fraction of its own norm is never called an outlier: early in training,
+# honest copies change by about that much per round
+MIN_SUSPECT_CHANGE = 0.5
+CHANGE_FACTOR = 4.0  # an outlier moved more than this x the median copy of the same fetch
+
+
+def relative_change(new: list[torch.Tensor], old: list[torch.Tensor]) -> float:
+    """||new - old|| / ||old|| over a group of tensors (ours may live on a GPU, in bf16)."""
+    diff = sum(
+        float((n.float() - o.detach().to(n.device, torch.float32)).pow(2).sum())
+        for n, o in zip(new, old, strict=True)
+    )
+    norm = sum(float(o.detach().float().pow(2).sum()) for o in old)
+    return (diff / max(norm, 1e-12)) ** 0.5
+
+
+def outlying_changes(
+    changes: Mapping[K, float], factor: float = CHANGE_FACTOR, floor: float = MIN_SUSPECT_CHANGE
+) -> tuple[set[K], float]:
+    """(the keys whose change is above ``factor`` x the median change and above ``floor``, the median).
+    Copies of different experts fetched together move alike (same steps, same learning rate): one that
+    moved far more than the others was negated, zeroed or scaled by whoever served it. With fewer than
+    three changes there is no majority to compare with, and nothing is called an outlier."""
+    if len(changes) < 3:
+        return set(), float("nan")
+    values = sorted(changes.values())
+    median = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+    bound = max(floor, factor * median)
+    return {k for k, c in changes.items() if not c <= bound}, median

@@ -1,0 +1,155 @@
+"""A joiner of a run that has trained takes the swarm's current weights: the dense weights from a peer, each
+expert from one of its holders, each copy checked against what the other peers hold.
+
+    caught = catch_up(transport, "demo", model, peers, timeout=30.0)
+    caught.dense, caught.experts         # what was taken
+    caught.reference                     # with a lossy codec: the dense weights the peers' changes are against
+    caught.unverified                    # {expert: the swarm's print} for experts still at the initialisation
+
+Every peer serves, with its dense weights, prints of every copy it holds (``served_prints``): before
+anything is taken, the joiner asks the peers for them (metadata only). A copy offered by one peer is
+compared with the median print of the others (``copy_doubt``): a negated, zeroed or scaled copy is
+refused and the next peer's taken instead. Where no other peer serves a print (a swarm of one, or a
+round under way everywhere), a copy passes the shape and finiteness checks only. What cannot be taken
+keeps the shared initialisation, and the swarm's print of it is kept for the first download to be judged
+by (``ExpertDownloads.judge_by_prints``): the initialisation is no reference for a trained expert.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.model import MoETransformer
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
+from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
+from swarm.net.records import Heartbeat
+from swarm.net.round_info import MAX_REFERENCE
+from swarm.net.served_prints import gather_prints, reference_print
+from swarm.net.transport import GroupTransport
+from swarm.sync.copy_prints import copy_doubt, copy_print
+
+RETRY_S = 1.0
+PRINTS_S = 10.0  # how long to wait for peers that are in a round (they serve no prints meanwhile)
+ASKED = 8  # peers asked for prints and dense weights: the freshest ones
+ENOUGH_VIEWS = 3  # prints of this many peers make a majority for any one copy: no need to wait for more
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """What ``catch_up`` took. ``reference``: with a lossy codec, the dense weights the peers' changes are
+    against, and their id (what the dense copy we took is), so that our first round's changes are too."""
+
+    dense: bool
+    experts: int
+    reference: tuple[str, list[torch.Tensor]] | None = None
+    unverified: dict[int, torch.Tensor] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # why offered copies were not taken
+
+
+def _valid(tensors: list[torch.Tensor] | None, like: list[torch.Tensor]) -> bool:
+    return (
+        tensors is not None
+        and len(tensors) == len(like)
+        and all(
+            tuple(t.shape) == tuple(m.shape) and t.is_floating_point() and bool(torch.isfinite(t).all())
+            for t, m in zip(tensors, like, strict=True)
+        )
+    )
+
+
+def _doubt(views, item: str, peer: str, tensors: list[torch.Tensor]) -> str:
+    ref = reference_print(views, item, exclude=peer)
+    return "" if ref is None else copy_doubt([copy_print(tensors)], [ref])
+
+
+def _gather(transport: GroupTransport, name: str, peers: list[str], timeout: float) -> dict:
+    """Prints of as many peers as answer within ``timeout`` (a peer in a round serves none until its end)."""
+    views, deadline = {}, time.monotonic() + timeout
+    while True:
+        asked = [p for p in peers if not views.get(p)]
+        left = deadline - time.monotonic()
+        if not asked or left <= 0:
+            return views
+        views |= gather_prints(transport, name, asked, max(0.5, min(5.0, left)))
+        if sum(1 for v in views.values() if v) >= min(len(peers), ENOUGH_VIEWS):
+            return views
+        time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
+
+
+def catch_up(
+    transport: GroupTransport, run_id: str, model: MoETransformer, peers: dict[str, Heartbeat], timeout: float
+) -> CaughtUp:
+    """See the module docstring."""
+    by_step = sorted(peers, key=lambda p: -peers[p].step)[:ASKED]
+    spec = GroupSpec(f"{run_id}_dense", (DENSE,))
+    deadline = time.monotonic() + timeout
+    views = _gather(transport, spec.name, by_step, min(PRINTS_S, timeout / 2))
+    refused: list[str] = []
+    dense, reference = _take_dense(transport, spec, model, by_step, views, deadline, refused)
+    taken, unverified = _take_experts(transport, run_id, model, peers, views, timeout, refused)
+    print(
+        f"caught up with the swarm: dense {'fetched' if dense else 'not available'}, "
+        f"{taken}/{model.cfg.n_experts} experts fetched (checked against {len(views)} peers' prints)"
+        + "".join(f"; refused {why}" for why in refused),
+        file=sys.stderr,
+    )
+    return CaughtUp(dense, taken, reference, unverified, refused)
+
+
+def _take_dense(transport, spec, model, by_step, views, deadline, refused) -> tuple[bool, tuple | None]:
+    like, candidates = dense_tensors(model), list(by_step)
+    while candidates and time.monotonic() < deadline:
+        # a peer serves its dense weights between rounds, not while it averages them: ask the freshest
+        # peers in turn until one answers, within the download bound
+        for peer in list(candidates[:3]):
+            served = transport.fetch(peer, spec.name, max(1.0, deadline - time.monotonic()))
+            got = None if served is None else served_dense(spec, served.meta, served.tensors, len(like))
+            if not _valid(got, like):
+                continue
+            why = _doubt(views, DENSE, peer, got)
+            if why:
+                refused.append(f"the dense weights of {peer[-8:]}: {why}")
+                candidates.remove(peer)
+                continue
+            overwrite(like, got)
+            ref = served.meta.get("ref")
+            if isinstance(ref, str) and 0 < len(ref) <= MAX_REFERENCE:
+                return True, (ref, [t.detach().clone() for t in got])
+            return True, None
+        time.sleep(RETRY_S)
+    return False, None
+
+
+def _take_experts(transport, run_id, model, peers, views, timeout, refused) -> tuple[int, dict]:
+    """Each expert from the freshest holder whose copy passes, asked one holder at a time (each serves all
+    its experts in one request)."""
+    per_expert, taken, doubted = len(expert_tensors(model, 0)), set(), {}
+    for peer in sorted(peers, key=lambda p: -peers[p].step):
+        wanted = set(peers[peer].experts) - taken
+        if not wanted:
+            continue
+        served = transport.fetch(peer, f"{run_id}_experts", timeout)
+        items = served_items(served.meta, served.tensors, per_expert) if served is not None else {}
+        for e in sorted(wanted):
+            got, like = items.get(expert_item(e)), expert_tensors(model, e)
+            if not _valid(got, like):
+                continue
+            why = _doubt(views, expert_item(e), peer, got)
+            if why:
+                refused.append(f"expert{e} from {peer[-8:]}: {why}")
+                doubted.setdefault(e, set()).add(peer)
+                continue
+            overwrite(like, [t.float() for t in got])
+            taken.add(e)
+    unverified = {}
+    for e in set(range(model.cfg.n_experts)) - taken - set(model.local_experts):
+        # the swarm's view of an expert we could not take, leaving out the peers whose copies we refused
+        kept = {p: v for p, v in views.items() if p not in doubted.get(e, set())}
+        ref = reference_print(kept, expert_item(e), exclude="")
+        if ref is not None:
+            unverified[e] = ref
+    return len(taken), unverified
