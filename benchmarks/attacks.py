@@ -216,7 +216,9 @@ def _copies_summary(run: Path) -> dict:
         for line in (run / f"peer{i}" / "metrics.jsonl").read_text().splitlines():
             rec = json.loads(line)
             refused += sum(
-                1 for why in rec.get("rejected") or [] if any(f"expert{e} " in why for e in rogue_experts)
+                1
+                for why in rec.get("rejected") or []
+                if any(why.startswith((f"expert{e} ", f"expert{e}:")) for e in rogue_experts)
             )
     log = (run / "peer3.log").read_text()
     caught = next((ln for ln in log.splitlines() if ln.startswith("caught up with the swarm")), "")

@@ -17,11 +17,13 @@ from swarm.net.hivemind_group import HivemindGroup
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import abs_sums, await_digests, digest, digests_agree, publish_digest
+from swarm.net.served_prints import metadata_only
 from swarm.net.timing import Timing
 from swarm.net.traffic import TrafficMeter
 from swarm.sync.codecs import codec_named
 
 pytestmark = pytest.mark.timeout(180)
+PRINTS = {"dense": b"\x00\x3c" * 8}  # what a dense group serves with its weights (served_prints)
 EXPERT_NUMEL = 1_000_000  # 2 MB as served: what a refused download must not move
 TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
                 final_agreement_s=5.0)  # fmt: skip
@@ -49,7 +51,9 @@ def _member(i, maddrs, out):
         )  # begins once all 3 are in
         got = group.outcome(handle, timeout=40)
         if got.ok:
-            group.serve(got.tensors, {"step": 7})
+            group.serve(got.tensors, {"step": 7, "prints": PRINTS})
+        if i == 0:  # a round no one else joins: its buffers are not served meanwhile, its prints still are
+            group.start(iter(tensors), {"i": i}, matchmaking_s=5)
         out.put((i, got.ok, got.reason, [t.tolist() for t in got.tensors], sorted(got.members), transport.me))
         time.sleep(6)  # keep serving downloads for a moment
         transport.close_groups([group, server])
@@ -73,9 +77,12 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
             assert max(abs(v - want0) for v in tensors[0]) < 1e-6
             assert torch.allclose(torch.tensor(tensors[1]), torch.arange(12.0).view(3, 4) * want0, atol=1e-5)
         transport = HivemindTransport(boot, TIMING)
-        served = transport.fetch(results[0][5], "t_dense", timeout=20)
-        assert served.meta == {"step": 7}
+        served = transport.fetch(results[1][5], "t_dense", timeout=20)
+        assert served.meta == {"step": 7, "prints": PRINTS}
         assert served.tensors[0].dtype == torch.float32 and served.tensors[0][0].item() == want0  # exact
+        during = transport.fetch(results[0][5], "t_dense", timeout=20, accept=metadata_only)
+        assert during.meta == {"prints": PRINTS} and during.tensors == []
+        assert not getattr(transport.fetch(results[0][5], "t_dense", timeout=5), "tensors", None)
         served = transport.fetch(results[2][5], "t_experts", timeout=20)
         assert served.meta["items"] == ["expert0"] and served.tensors[0].dtype == torch.float16
         assert served.tensors[0].shape == (EXPERT_NUMEL,) and bool((served.tensors[0] == 2.0).all())

@@ -86,11 +86,17 @@ class HivemindGroup:
                 rule=rule,
             )
         self.averager.serve_lock, self.averager.served = threading.Lock(), ({}, None)
+        self._prints: dict[str, Any] = {}
 
     def _set_served(self, meta: dict[str, Any], tensors: list[torch.Tensor] | None) -> None:
         with self.averager.serve_lock:
+            # while nothing is served, the prints of the last copy still are (``served_prints``): a joiner
+            # must not find every peer mute because each happens to be in a round
+            if "prints" in meta:
+                self._prints = {"prints": meta["prints"]}
             self.averager.served = (dict(meta), tensors)
-            self.averager.announce(meta)  # under the lock: announcements arrive in the order of the copies
+            # under the lock: announcements arrive in the order of the copies
+            self.averager.announce(meta if meta else self._prints)
 
     def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
         """A serving group keeps ``tensors`` as given (not copied: never edit them afterwards); an averaging

@@ -204,8 +204,10 @@ class LocalGroup:
         self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None,
         expected: int | None = None,
     ):  # fmt: skip
-        with self.net.lock:  # like hivemind's buffers: nothing served while a round runs
-            self.net.served.pop((self.me, self.name), None)
+        with self.net.lock:  # like hivemind's buffers: nothing served while a round runs, but the prints
+            before = self.net.served.pop((self.me, self.name), None)
+            if before is not None and "prints" in before.meta:
+                self.net.served[(self.me, self.name)] = Served({"prints": before.meta["prints"]}, [])
         copies = [t.detach().clone() for t in tensors]
         return self.net.join(self.name, self.me, copies, info, scheduled, expected)
 

@@ -47,7 +47,7 @@ def read_prints(meta: object) -> dict[str, torch.Tensor]:
     return out
 
 
-def _metadata_only(_meta: dict) -> bool:
+def metadata_only(_meta: dict) -> bool:
     return False  # ``GroupTransport.fetch``'s ``accept``: the copy itself never travels
 
 
@@ -58,7 +58,7 @@ def gather_prints(
     if not peers:
         return {}
     with ThreadPoolExecutor(len(peers), thread_name_prefix="swarm-prints") as pool:
-        asked = [pool.submit(transport.fetch, p, name, timeout, _metadata_only) for p in peers]
+        asked = [pool.submit(transport.fetch, p, name, timeout, metadata_only) for p in peers]
         served = [a.result() for a in asked]
     return {p: read_prints(s.meta) for p, s in zip(peers, served, strict=True) if s is not None}
 
