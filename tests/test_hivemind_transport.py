@@ -23,7 +23,8 @@ from swarm.net.traffic import TrafficMeter
 from swarm.sync.codecs import codec_named
 
 pytestmark = pytest.mark.timeout(180)
-PRINTS = {"dense": b"\x00\x3c" * 8}  # what a dense group serves with its weights (served_prints)
+# what a dense group serves with its weights (served_prints): 40 KiB, more than one pipe message may carry
+PRINTS = {f"expert{e}": bytes([e]) * 1024 for e in range(40)}
 EXPERT_NUMEL = 1_000_000  # 2 MB as served: what a refused download must not move
 TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
                 final_agreement_s=5.0)  # fmt: skip
@@ -264,3 +265,34 @@ def test_hivemind_processes_ignore_ctrl_c_and_a_ctrl_c_while_they_start_is_not_l
     finally:
         dht.shutdown()
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_large_announcement_reaches_the_averager_in_parts_that_are_each_one_pipe_write():
+    """CPython writes a pipe message over 16 KiB as two writes, which hivemind's child may read apart (the
+    averager's command loop then dies: seen with 17 KiB of prints); parts stay under that size."""
+    import asyncio
+    import pickle
+
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm.net.serving_averager import ServingAverager
+
+    sent = []
+
+    class Pipe:
+        def send(self, message):
+            sent.append(message)
+
+    averager = object.__new__(ServingAverager)  # the host's and the child's halves, without the processes
+    averager._outer_pipe = Pipe()
+    meta = {"items": ["dense"], "prints": PRINTS}
+    averager.announce(meta)
+    assert len(sent) > 1 and all(len(pickle.dumps(m)) < 16384 for m in sent)
+    for method, args, kwargs in sent:
+        asyncio.run(getattr(averager, method)(*args, **kwargs))
+    assert MSGPackSerializer.loads(averager._announced) == meta
+    sent.clear()
+    averager.announce({})  # a small one is one part
+    assert len(sent) == 1
+    asyncio.run(averager._announce(*sent[0][1]))
+    assert MSGPackSerializer.loads(averager._announced) == {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -98,11 +98,12 @@ class HivemindGroup:
             # under the lock: announcements arrive in the order of the copies
             self.averager.announce(meta if meta else self._prints)
 
-    def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
-        """A serving group keeps ``tensors`` as given (not copied: never edit them afterwards); an averaging
-        group copies them into its buffers (its packed layout)."""
+    def serve(self, tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], meta) -> None:
+        """A serving group keeps ``tensors`` as given (not copied: never edit them afterwards), or calls
+        ``tensors()`` for each download; an averaging group copies them into its buffers (its packed
+        layout)."""
         if self.serves_only:
-            self._set_served(meta, list(tensors))
+            self._set_served(meta, tensors if callable(tensors) else list(tensors))
             return
         self._set_served({}, None)
         self._fill(tensors)

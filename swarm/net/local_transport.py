@@ -75,6 +75,7 @@ class LocalNetwork:
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[str, _Formation] = {}
         self.served: dict[tuple[str, str], Served] = {}
+        self.lazy: dict[tuple[str, str], tuple[Callable[[], Sequence[torch.Tensor]], Codec | None]] = {}
         self.closed_groups: list[str] = []
         self.server_codecs: dict[str, Codec | None] = {}
         self.fetched: list[tuple[str, str, str, int]] = []  # (who, from whom, name, values served)
@@ -195,8 +196,13 @@ class LocalGroup:
         self.net, self.me, self.name, self.serves_only, self.codec = net, me, name, serves_only, codec
         self.closed = False
 
-    def serve(self, tensors: Sequence[torch.Tensor], meta: dict[str, Any]) -> None:
+    def serve(self, tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], meta) -> None:
         with self.net.lock:
+            if callable(tensors):  # made when a downloader asks (``Group.serve``)
+                self.net.lazy[(self.me, self.name)] = (tensors, self.codec)
+                self.net.served[(self.me, self.name)] = Served(dict(meta), [])
+                return
+            self.net.lazy.pop((self.me, self.name), None)
             served = [t.clone() if self.codec is None else self.codec.roundtrip(t) for t in tensors]
             self.net.served[(self.me, self.name)] = Served(dict(meta), served)  # as they will arrive
 
@@ -253,7 +259,15 @@ class LocalTransport:
             return None
         garbled = self.net.fault("garble", peer)
         with self.net.lock:
-            served = self.net.served.get((peer, name))
+            served, lazy = self.net.served.get((peer, name)), self.net.lazy.get((peer, name))
+            if (
+                served is not None
+                and lazy is not None
+                and metadata_accepted(accept or (lambda _: True), served.meta)
+            ):
+                make, codec = lazy
+                tensors = [t.detach().cpu().clone() if codec is None else codec.roundtrip(t) for t in make()]
+                served = Served(served.meta, tensors)
             if served is not None and garbled:
                 served = Served({"items": "expert0", "steps": [0], "base": 5, "hash": None}, served.tensors)
             if served is not None and accept is not None and not metadata_accepted(accept, served.meta):

@@ -31,6 +31,7 @@ from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
+ANNOUNCE_PART = 8192
 
 
 def gathered_token(gather: bytes) -> object:
@@ -88,6 +89,8 @@ class ServingAverager(hivemind.DecentralizedAverager):
         if tensors is None:  # an averaging group serves its buffers, which hold its last result
             with self.get_tensors() as buffers:
                 tensors = [t.clone() for t in buffers]
+        elif callable(tensors):  # made for this download (host tensors: hivemind's codecs need them)
+            tensors = [t.detach().cpu() for t in tensors()]
         return meta, list(tensors), None
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -102,14 +105,25 @@ class ServingAverager(hivemind.DecentralizedAverager):
         super().run()
 
     def announce(self, meta: dict[str, Any]) -> None:
-        """What ``rpc_served_metadata`` answers from now on (sent to the child, which answers alone)."""
+        """What ``rpc_served_metadata`` answers from now on (sent to the child, which answers alone).
+
+        In parts: CPython writes a pipe message over 16 KiB as two writes, and hivemind's child reads its
+        pipe without blocking, so it can take the header of such a message before its body has arrived; the
+        rest of the stream is then misread and the averager's command loop dies (seen with 17 KiB of
+        prints). Parts of ANNOUNCE_PART bytes are each one write."""
+        blob = MSGPackSerializer.dumps(meta)
+        parts = [blob[i : i + ANNOUNCE_PART] for i in range(0, len(blob), ANNOUNCE_PART)] or [b""]
         try:
-            self._outer_pipe.send(("_announce", [MSGPackSerializer.dumps(meta)], {}))
+            for i, part in enumerate(parts):
+                self._outer_pipe.send(("_announce", [i, len(parts), part], {}))
         except (OSError, ValueError):  # shut down: nobody asks any more
             pass
 
-    async def _announce(self, meta: bytes) -> None:
-        self._announced = meta
+    async def _announce(self, index: int, total: int, part: bytes) -> None:
+        # the host's parts arrive in order (one sender, under its serve lock): the last one completes it
+        self._announcing = ([] if index == 0 else getattr(self, "_announcing", [])) + [part]
+        if index == total - 1:
+            self._announced, self._announcing = b"".join(self._announcing), []
 
     def _admits(self, token: object, context: P2PContext) -> bool:
         key = self.swarm_key
