@@ -60,7 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--host", default="127.0.0.1", help="address this peer listens on (default: loopback)")
     ap.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
-    ap.add_argument("--identity", default=None, metavar="FILE", help="private key file: a stable peer id")
+    ap.add_argument(
+        "--identity", default=None, metavar="FILE",
+        help="private key file: the peer id, kept across restarts (default: RUN_DIR/peer.id)",
+    )  # fmt: skip
     add_swarm_key_args(ap)
     ap.add_argument("--use-nat", action="store_true", help="enable UPnP, AutoNAT and relays (off by default)")
     ap.add_argument(
@@ -115,18 +118,23 @@ def _own_process_group() -> None:
 
 def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init_state=None):
     """Start the DHT node, check the run, claim experts, set up the trainer and catch up. Returns the DHT."""
+    from swarm.net.catch_up import catch_up
     from swarm.net.dht_node import start_dht, visible_maddrs
     from swarm.net.hivemind_transport import HivemindStore, HivemindTransport, copy_bound
-    from swarm.net.catch_up import catch_up
     from swarm.net.joining import claim_experts, open_swarm_sync
     from swarm.net.records import check_or_publish_fingerprint
     from swarm.net.timing import Timing
 
+    # the same peer id after a restart (its records, its place in groups): the run dir keeps it by default
+    identity = args.identity
+    if identity is None:
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        identity = Path(args.run_dir) / "peer.id"
     dht = start_dht(
         args.initial_peers,
         host=args.host,
         port=args.port,
-        identity_path=args.identity,
+        identity_path=identity,
         use_nat=args.use_nat,
         swarm_key=swarm_key_from_args(args),
     )

@@ -162,6 +162,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     checkpoint_every: int = 500
+    # also a checkpoint once this many seconds have passed since the last one (0: by steps only), so that
+    # a peer killed without warning loses minutes of training, not a run
+    checkpoint_every_s: float = 120.0
     keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
@@ -185,6 +188,7 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _check(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)")
+        _check(self.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0 (0: by steps only)")
 
 
 @dataclass

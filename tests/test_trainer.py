@@ -353,3 +353,27 @@ def test_megablocks_backend_on_cpu_exit_2(config, tmp_path, refused):
     run = ["--config", str(config), "--solo", "--run-dir", str(tmp_path / "r")]
     line = refused(*run, "--set", "model.moe_backend=megablocks")
     assert "megablocks" in line and "CUDA" in line
+
+
+def test_checkpoints_are_also_written_on_the_wall_clock(config, tmp_path):
+    """``train.checkpoint_every_s``: a peer killed between two step checkpoints loses seconds, not steps."""
+    from swarm.config import load_config
+    from swarm.train.sync_hook import NoSync
+    from swarm.train.trainer import Trainer
+
+    class SlowSteps(NoSync):
+        def after_step(self, model, report):
+            time.sleep(0.1)  # with the checkpoint's own time, a checkpoint every other step or so
+            return super().after_step(model, report)
+
+    cfg = load_config(config, ["train.checkpoint_every=1000", "train.checkpoint_every_s=0.15",
+                               "train.keep_checkpoints=100", "train.eval_every=1000"])  # fmt: skip
+    trainer = Trainer(cfg, tmp_path / "run", sync=SlowSteps(), progress=False)
+    trainer.setup()
+    try:
+        trainer.train(max_steps=8)
+    finally:
+        trainer.close()
+    steps = [load_checkpoint(p).step for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert 3 <= len(steps) <= 8 and steps[-1] == 8 and all(s < 8 for s in steps[:-1]), steps
+    assert all(b - a <= 2 for a, b in zip(steps, steps[1:], strict=False)), steps

@@ -95,6 +95,7 @@ class Trainer:
         self.stop = stop
         self.step, self.tokens, self.ranks = 0, 0, ranks
         self.model: MoETransformer | None = None  # the raw model: rounds, evaluation, checkpoints use it
+        self._saved_at = time.monotonic()  # of the last checkpoint (or the start): train.checkpoint_every_s
         self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
 
     @property
@@ -283,6 +284,7 @@ class Trainer:
         self.sync.experts_changed(self.model)
 
     def save(self) -> Path | None:
+        self._saved_at = time.monotonic()
         if not self.is_leader:
             return None
         state = {
@@ -308,6 +310,7 @@ class Trainer:
         t = self.cfg.train
         target = t.max_steps if max_steps is None else max_steps
         stop_at = None if max_seconds is None else time.monotonic() + max_seconds
+        self._saved_at = time.monotonic()
         summary: dict[str, Any] = {"start_step": self.step}
         if self.step == 0:
             summary["initial_val_loss"] = self.evaluate()
@@ -362,7 +365,10 @@ class Trainer:
                     )
                     window_t, window_tok = time.perf_counter(), 0  # evaluation time is not training time
                 bar.update(1)
-                if self.step % t.checkpoint_every == 0 or last:
+                overdue = (
+                    t.checkpoint_every_s > 0 and time.monotonic() - self._saved_at >= t.checkpoint_every_s
+                )
+                if self.step % t.checkpoint_every == 0 or last or overdue:
                     self.save()
         except KeyboardInterrupt:
             if self.is_leader:
