@@ -168,7 +168,22 @@ def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
     assert any("experts 0,1: partial round: no digest" in r for r in results["a"].record.rejected)
 
 
-@pytest.mark.parametrize("kind", ["partial", "drop", "nan"])
+def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
+    swarm = Swarm(peers, faults=[Fault("partial", peer="b", round=1)])  # only b's result differs
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    want = torch.stack([swarm.dense[p][0] for p in peers]).mean(0)
+    for p in ("a", "c"):  # the dense group of three: two agree, and their result is the mean
+        assert torch.allclose(results[p].dense[1][0], want, atol=1e-6), p
+        assert not any(r.startswith("dense") for r in results[p].record.rejected), results[p].record
+    assert results["b"].dense is None and any(
+        "dense: partial round" in r for r in results["b"].record.rejected
+    )
+    # experts 0-1 are averaged by a and b alone: two that differ, and no majority: both drop them
+    assert results["a"].experts == {} and results["b"].experts == {}
+
+
+@pytest.mark.parametrize("kind", ["drop", "nan"])
 def test_a_faulty_member_makes_every_member_drop_the_round(kind):
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     # centered clipping would leave a NaN member out and apply the round (test above): the mean cannot

@@ -121,3 +121,14 @@ def test_tensor_checks():
         with pytest.raises(RejectedTensor, match=why):
             check_tensor("w", bad, local, max_rel_distance=0.5)
     assert clamp_weight(1e9, 1e6) == 1e6 and clamp_weight(-3, 10) == 0 and clamp_weight(math.nan, 10) == 0
+
+
+def test_an_outlying_change_is_one_far_above_the_fetchs_median_and_above_the_copys_own_norm():
+    from swarm.sync import outlying_changes
+
+    honest = {e: 0.15 + 0.01 * e for e in range(11)} | {11: 0.8}  # an expert that moved fast, early on
+    assert outlying_changes(honest)[0] == set()
+    random_copy = honest | {12: 1.41}  # a copy replaced by another of the same norm
+    outliers, median = outlying_changes(random_copy)
+    assert outliers == {12} and abs(median - 0.21) < 1e-9
+    assert outlying_changes({0: 0.1, 1: 5.0})[0] == set()  # two copies: no majority to judge by

@@ -3,11 +3,12 @@
 hivemind can report success when a peer died mid-round and part of a tensor was never averaged (NOTES.md:
 12% true mean, 29% 2-peer mean, 57% untouched). Every member therefore publishes a digest of its result
 under a key derived from the group (its members and their round info), waits for the digests of the other
-members, and applies the result only if all digests it got agree and every member reported, or a majority
-of at least two did and the rest stayed silent for a grace period. An untouched part makes digests
-disagree: a member that died mid-round left its share untouched, so the survivors' results differ, and in a
-group of two the one left alone waits for a digest that never comes; either way the round is dropped by
-everyone. A member that is alive but withholds its digest no longer vetoes a round of three or more.
+members, and applies the result only if all digests agree and every member reported, or a majority of at
+least two agree and the rest differ or stayed silent for a grace period. An untouched part makes digests
+disagree: a member that died mid-round left its share untouched, so the survivors' results differ (no two
+agree), and in a group of two the one left alone waits for a digest that never comes; either way the round
+is dropped by everyone. A member that withholds its digest, or publishes one of a result of its own (a
+rogue that sent NaN ends with NaN), no longer vetoes a round of three or more: the majority applies it.
 
 The digest is a few fixed random projections of each segment of each tensor: insensitive to last-bit
 rounding (members add deltas in a different order), sensitive to any part left unaveraged.
@@ -93,6 +94,11 @@ def digests_agree(
     return True
 
 
+def _majority(k: int, n: int) -> bool:
+    """Whether ``k`` of ``n`` members are a majority that may apply a round: two at least."""
+    return k >= 2 and 2 * k > n
+
+
 def publish_digest(store: Store, key: str, me: str, mine: list[float], timeout: float) -> bool:
     return store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=timeout)
 
@@ -110,26 +116,34 @@ def await_digests(
     grace: float = QUORUM_GRACE_S,
 ) -> tuple[bool, str]:
     """Wait until every other member's digest is in and agrees with ours (within the codec's
-    ``tolerance``), or a majority of at least two members agree and the others stayed silent ``grace``
-    seconds since. Returns (ok, reason); a reason with ok says who was missing."""
+    ``tolerance``), or a majority of at least two members agree and the others differ or stayed silent
+    ``grace`` seconds since. Returns (ok, reason); a reason with ok says who was out-voted or missing."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
     quorum_since = None
     while True:
         found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
-        seen = {peer: value for peer, (value, _) in found.items()}
-        for peer in others & set(seen):
-            theirs = seen[peer]
-            if not isinstance(theirs, list) or not digests_agree(mine, theirs, tolerance, floor):
-                return False, f"partial round: result differs from {peer[-8:]}"
+        seen = {peer: value for peer, (value, _) in found.items() if peer in others}
+        differ = sorted(
+            p
+            for p, v in seen.items()
+            if not isinstance(v, list) or not digests_agree(mine, v, tolerance, floor)
+        )
         missing = others - set(seen)
-        if not missing:
+        if not differ and not missing:
             return True, ""
-        agreeing = 1 + len(others) - len(missing)
-        if agreeing >= 2 and 2 * agreeing > len(others) + 1:
+        agreeing, n = 1 + len(seen) - len(differ), len(others) + 1
+        if not _majority(agreeing + len(missing), n):  # out-voted, or no majority can form any more
+            if differ:
+                return False, f"partial round: result differs from {differ[0][-8:]}"
+            return False, f"partial round: no digest from {len(missing)} member(s)"
+        if _majority(agreeing, n):
             quorum_since = time.monotonic() if quorum_since is None else quorum_since
-            if time.monotonic() - quorum_since >= min(grace, max(0.0, deadline - quorum_since)):
-                return True, f"applied by a majority: no digest from {len(missing)} member(s)"
+            if not missing or time.monotonic() - quorum_since >= min(
+                grace, max(0.0, deadline - quorum_since)
+            ):
+                why = [f"{len(differ)} differ" if differ else "", f"{len(missing)} silent" if missing else ""]
+                return True, f"applied by a majority: member(s) {' and '.join(w for w in why if w)}"
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
         time.sleep(poll)

@@ -51,9 +51,10 @@ def clamp_weight(weight: float, max_weight: float) -> float:
     return float(min(max(weight, 0.0), max_weight))
 
 
-# a copy that moved less than this fraction of its own norm is never called an outlier: early in training,
-# honest copies change by about that much per round
-MIN_SUSPECT_CHANGE = 0.5
+# a copy that moved less than its own norm is never called an outlier: early in training an honest expert
+# changed by 0.8 of its norm in one demo round (25 steps) while the median of its fetch was 0.17. Zeroed,
+# negated and scaled copies are told by their norm and direction (``copy_doubt``) whatever their change.
+MIN_SUSPECT_CHANGE = 1.0
 CHANGE_FACTOR = 4.0  # an outlier moved more than this x the median copy of the same fetch
 
 
