@@ -133,14 +133,7 @@ def run_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
         bound = stop_at - time.time() + cfg.sync.round_timeout_s + 90
         codes = [p.wait(timeout=max(1.0, bound)) for p in procs[1:]]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        _stop(procs)
     honest = [_summary(run, i) for i in range(2)]
     return {
         "rule": rule,

@@ -156,10 +156,13 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     trainer.setup(resume=args.resume, local_experts=local)
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
     caught_up = None
-    if trainer.step == 0 and any(hb.step > 0 for hb in peers.values()):
+    if any(hb.step > 0 for hb in peers.values()):  # the swarm has trained: take its weights
         bound = copy_bound(trainer.model)
         transport = HivemindTransport(dht, Timing.from_config(cfg.sync), max_copy_bytes=bound)
-        caught_up = catch_up(transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s)
+        # a peer resumed from a checkpoint holds its experts as of its step: only newer copies replace them
+        held = {e: trainer.step for e in trainer.model.local_experts} if trainer.step > 0 else {}
+        caught_up = catch_up(transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s, held)
+        trainer.evaluate_at_start = trainer.step > 0
     print(
         f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "
         f"{len(peers)} other live peer(s)",

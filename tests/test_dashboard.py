@@ -433,6 +433,13 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
             beats = read_heartbeats(reader, run_id, timeout=10)
             assert shown == {pid: ", ".join(map(str, sorted(hb.experts))) for pid, (hb, _) in beats.items()}
             assert page.locator("#s-covered").inner_text() == "8 / 8"
+            # any online peer is an entry point: its own addresses, listed as its heartbeat names them
+            listed = page.evaluate(
+                "() => [...document.querySelectorAll('#entry-points li[data-peer] code')].map((c) => c.textContent)"
+            )
+            addrs = [a for pid, (hb, _) in beats.items() for a in hb.addrs]
+            assert listed and sorted(listed) == sorted(addrs), (listed, addrs)
+            assert all(a.endswith(f"/p2p/{pid}") for pid, (hb, _) in beats.items() for a in hb.addrs)
             # the charts draw the history: as many points as the page's state has samples
             drawn = page.evaluate(CHART_POINTS)
             assert (

@@ -38,7 +38,9 @@ def test_a_joiner_takes_the_served_weights_and_the_reference_they_are():
     with torch.no_grad():
         for p in mine.parameters():
             p.add_(1.0)  # anything but theirs
-    caught = catch_up(net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10)}, timeout=2.0)
+    caught = catch_up(
+        net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10, last_round=1)}, timeout=2.0
+    )
     assert caught.dense and caught.experts == 2
     ref_id, ref = caught.reference
     assert ref_id == "5f3a-ref"
@@ -54,7 +56,9 @@ def test_a_reference_id_that_is_not_a_short_string_is_not_taken():
         net = LocalNetwork()
         _swarm_peer(net, ref)
         mine = MoETransformer(MODEL, [2, 3])
-        caught = catch_up(net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10)}, 2.0)
+        caught = catch_up(
+            net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10, last_round=1)}, 2.0
+        )
         assert caught.dense and caught.reference is None, ref
 
 
@@ -96,7 +100,10 @@ def test_a_joiner_refuses_copies_that_the_other_peers_prints_contradict_and_take
         _serving(net, "c", _trained([2, 3]), poison=poison, dense_poison=lambda t: -t)  # holds 2 and 3
         mine = MoETransformer(MODEL, [0, 1])
         mine.init_weights(7)
-        peers = {"a": Heartbeat(experts=[0, 1], step=10), "c": Heartbeat(experts=[2, 3], step=12)}
+        peers = {
+            "a": Heartbeat(experts=[0, 1], step=10, last_round=1),
+            "c": Heartbeat(experts=[2, 3], step=12, last_round=1),
+        }
         caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0)
         # c is the freshest, but its dense weights and its experts contradict a's prints
         assert caught.dense and caught.experts == 2, caught.refused
@@ -121,5 +128,81 @@ def test_without_other_peers_prints_a_copy_is_taken_on_shape_and_finiteness_alon
     net = LocalNetwork()
     _serving(net, "c", _trained([2, 3]), poison=torch.neg)
     mine = MoETransformer(MODEL, [0, 1])
-    caught = catch_up(net.transport("b"), "t", mine, {"c": Heartbeat(experts=[2, 3], step=12)}, timeout=2.0)
+    caught = catch_up(
+        net.transport("b"), "t", mine, {"c": Heartbeat(experts=[2, 3], step=12, last_round=1)}, timeout=2.0
+    )
     assert caught.dense and caught.experts == 2 and caught.refused == [] and caught.unverified == {}
+
+
+def _with_copies(
+    net: LocalNetwork, peer: str, steps: dict[int, int], seed: int, poison=None
+) -> MoETransformer:
+    """``peer`` holds experts 0 and 1 (serving them, with prints) and copies of 2 and 3 as of ``steps``,
+    each a little different (``poison``: what it does to the copy of expert 3 it serves)."""
+    from swarm.net.copy_server import CopyServer
+
+    model = _trained([0, 1])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for e in (2, 3):
+            for t in expert_tensors(model, e):
+                t.add_(0.05 * t.std() * torch.randn(t.shape, generator=g))
+    _serving(net, peer, model)
+    if poison is not None:
+        with torch.no_grad():
+            for t in expert_tensors(model, 3):
+                t.copy_(poison(t))
+    CopyServer(net.transport(peer).open_server("t_copies"), model).update(steps)
+    return model
+
+
+def test_an_expert_whose_holders_are_gone_comes_from_the_newest_valid_copy_any_peer_holds():
+    net = LocalNetwork()
+    a = _with_copies(net, "a", {2: 100, 3: 90}, seed=1)
+    _with_copies(net, "c", {2: 80, 3: 120}, seed=2, poison=torch.neg)  # the newest copy of 3, negated
+    mine = MoETransformer(MODEL, [2, 3])  # b claims the experts nobody holds
+    mine.init_weights(7)
+    peers = {p: Heartbeat(experts=[0, 1], step=10, last_round=1) for p in "ac"}
+    caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0)
+    assert caught.copy_steps == {0: 10, 1: 10, 2: 100, 3: 90} and caught.from_init == [], caught
+    assert [w.split(":")[0] for w in caught.refused] == ["expert3 from c"]
+    for e in (2, 3):  # a's copies, both
+        assert all(torch.equal(x, y.half().float()) for x, y in
+                   zip(expert_tensors(mine, e), expert_tensors(a, e), strict=True))  # fmt: skip
+
+
+def test_a_resumed_peer_keeps_its_own_experts_unless_the_swarm_holds_newer_copies():
+    net = LocalNetwork()
+    a = _with_copies(net, "a", {2: 100, 3: 90}, seed=1)
+    mine = MoETransformer(MODEL, [2, 3])
+    mine.init_weights(7)
+    own = [t.clone() for t in expert_tensors(mine, 3)]  # as its checkpoint of step 95 left it
+    peers = {"a": Heartbeat(experts=[0, 1], step=10, last_round=1)}
+    caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0, held={2: 95, 3: 95})
+    assert caught.copy_steps == {0: 10, 1: 10, 2: 100} and caught.from_init == []
+    assert all(torch.equal(x, y) for x, y in zip(expert_tensors(mine, 3), own, strict=True))
+    assert all(torch.equal(x, y.half().float()) for x, y in
+               zip(expert_tensors(mine, 2), expert_tensors(a, 2), strict=True))  # fmt: skip
+
+
+def test_an_expert_of_which_no_copy_exists_starts_from_the_initialisation_and_the_joiner_says_so(capsys):
+    net = LocalNetwork()
+    _with_copies(net, "a", {2: 0, 3: 0}, seed=1)  # copies at step 0: the initialisation, not offered
+    mine = MoETransformer(MODEL, [2, 3])
+    caught = catch_up(
+        net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10, last_round=1)}, timeout=2.0
+    )
+    assert caught.from_init == [2, 3] and caught.copy_steps == {0: 10, 1: 10}
+    assert "experts [2, 3] start from the initialisation" in capsys.readouterr().err
+
+
+def test_a_joiner_waits_for_the_prints_of_peers_that_have_had_a_round_only():
+    import time
+
+    net = LocalNetwork()
+    theirs = _swarm_peer(net, "r")  # serves its dense weights without prints
+    mine = MoETransformer(MODEL, [2, 3])
+    t0 = time.monotonic()
+    caught = catch_up(net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10)}, timeout=8.0)
+    assert caught.dense and time.monotonic() - t0 < 1.0  # "a" had no round yet: nothing to wait for
+    assert all(torch.equal(x, y) for x, y in zip(dense_tensors(mine), dense_tensors(theirs), strict=True))

@@ -20,6 +20,8 @@ def test_a_well_formed_record_parses_back_and_unknown_fields_are_ignored():
     hb = Heartbeat.from_value(GOOD | {"from_a_newer_version": 1})
     assert hb == Heartbeat.from_value(GOOD) and hb.experts == [1, 2] and hb.loss == 3.25
     assert Heartbeat.from_value(GOOD | {"loss": None, "last_round": -1}) is not None
+    addrs = ["/ip4/127.0.0.1/tcp/4001/p2p/QmPeer", "/ip6/::1/tcp/4001/p2p/QmPeer"]
+    assert Heartbeat.from_value(GOOD | {"addrs": addrs}).addrs == addrs
 
 
 @pytest.mark.parametrize(
@@ -48,6 +50,12 @@ def test_a_well_formed_record_parses_back_and_unknown_fields_are_ignored():
         ("experts", [{"e": 1}]),
         ("experts", list(range(5000))),
         ("experts", "0,1"),
+        ("addrs", "/ip4/127.0.0.1/tcp/1"),
+        ("addrs", [5]),
+        ("addrs", ["ip4/127.0.0.1"]),  # not a multiaddr
+        ("addrs", ["/ip4/1.2.3.4/tcp/1\n<script>"]),
+        ("addrs", ["/" + "x" * 300]),
+        ("addrs", [f"/ip4/127.0.0.1/tcp/{i}" for i in range(9)]),
     ],
 )
 def test_a_record_with_any_malformed_field_is_ignored_whole(field, value):

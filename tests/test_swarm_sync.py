@@ -106,8 +106,17 @@ def test_replicas_agree_after_the_last_round(r):
             for got, want in zip(expert_tensors(models[me], e), ref, strict=True):
                 assert torch.allclose(got, want, atol=tol * max(1.0, want.abs().max().item())), (e, me)
     # a fixed handful of groups per peer, whatever the number of local experts: dense, one per holder set
-    # of its experts, and the server of its expert copies
-    assert all(len(set(sync.transport.opened)) == 3 for _, sync in peers.values())
+    # of its experts, the server of its experts and the server of its copies of the others
+    assert all(len(set(sync.transport.opened)) == 4 for _, sync in peers.values())
+    # every peer serves its copies of the experts it does not hold, as its model holds them now, with the
+    # step each came from (an expert outlives its holders: swarm.net.copy_server)
+    for me in ids:
+        served = net.transport("x").fetch(me, "t_copies", timeout=1.0)
+        others = [e for e in range(4) if e not in experts[me]]
+        assert served.meta["items"] == [f"expert{e}" for e in others]
+        assert all(0 < s <= 30 for s in served.meta["steps"]), served.meta
+        mine = [t for e in others for t in expert_tensors(models[me], e)]
+        assert all(torch.equal(a, b.half()) for a, b in zip(served.tensors, mine, strict=True))
 
 
 def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_round():

@@ -139,6 +139,7 @@ class PeerTable:
                     "period_s": e.period(self.default_period_s),
                     "sent_at": hb.sent_at,
                     "age_s": None if hb.sent_at is None else max(0.0, now - hb.sent_at),
+                    "addrs": list(hb.addrs),
                     "expires_in_s": max(0.0, e.expiration - now) if e.present else None,
                     "first_seen": e.first_seen,
                     "last_seen": e.last_seen,

@@ -1,10 +1,18 @@
 """A joiner of a run that has trained takes the swarm's current weights: the dense weights from a peer, each
-expert from one of its holders, each copy checked against what the other peers hold.
+expert from one of its holders (or, where no live holder serves it, the newest copy any peer holds), each
+copy checked against what the other peers hold.
 
     caught = catch_up(transport, "demo", model, peers, timeout=30.0)
+    caught = catch_up(..., held={3: 1200})  # resumed at step 1200 holding expert 3: only a newer copy wins
     caught.dense, caught.experts         # what was taken
+    caught.copy_steps, caught.from_init  # the step of each copy taken; experts no valid copy exists of
     caught.reference                     # with a lossy codec: the dense weights the peers' changes are against
     caught.unverified                    # {expert: the swarm's print} for experts still at the initialisation
+
+An expert outlives its holders: every peer serves its copies of the experts it does not train, each with
+the step it is from (``CopyServer``); an expert that no live holder gives us is taken from the peer with
+the newest copy, the next newest where that one is refused. Only where no copy exists does it keep the
+initialisation, and the catch-up line says so.
 
 Every peer serves, with its dense weights, prints of every copy it holds (``served_prints``): before
 anything is taken, the joiner asks the peers for them (metadata only). A copy offered by one peer is
@@ -24,11 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.model import MoETransformer
+from swarm.net.expert_download import served_steps
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat
 from swarm.net.round_info import MAX_REFERENCE
-from swarm.net.served_prints import gather_prints, reference_print
+from swarm.net.served_prints import gather_metadata, gather_prints, reference_print
 from swarm.net.transport import GroupTransport
 from swarm.sync.copy_prints import copy_doubt, copy_print
 
@@ -48,6 +57,8 @@ class CaughtUp:
     reference: tuple[str, list[torch.Tensor]] | None = None
     unverified: dict[int, torch.Tensor] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)  # why offered copies were not taken
+    copy_steps: dict[int, int] = field(default_factory=dict)  # expert -> the step of the copy taken
+    from_init: list[int] = field(default_factory=list)  # experts of which no copy exists in the swarm
 
 
 def _valid(tensors: list[torch.Tensor] | None, like: list[torch.Tensor]) -> bool:
@@ -81,23 +92,46 @@ def _gather(transport: GroupTransport, name: str, peers: list[str], timeout: flo
 
 
 def catch_up(
-    transport: GroupTransport, run_id: str, model: MoETransformer, peers: dict[str, Heartbeat], timeout: float
+    transport: GroupTransport,
+    run_id: str,
+    model: MoETransformer,
+    peers: dict[str, Heartbeat],
+    timeout: float,
+    held: dict[int, int] | None = None,
 ) -> CaughtUp:
-    """See the module docstring."""
+    """See the module docstring. ``held``: the step of the copies we hold of some experts (a peer resumed
+    from a checkpoint holds its own experts as of that step): only newer copies replace them."""
+    held = held or {}
     by_step = sorted(peers, key=lambda p: -peers[p].step)[:ASKED]
     spec = GroupSpec(f"{run_id}_dense", (DENSE,))
     deadline = time.monotonic() + timeout
-    views = _gather(transport, spec.name, by_step, min(PRINTS_S, timeout / 2))
+    # a peer serves prints from its first round on: waiting for one that is joining too would be in vain
+    serving = [p for p in by_step if peers[p].last_round >= 0]
+    views = _gather(transport, spec.name, serving, min(PRINTS_S, timeout / 2))
     refused: list[str] = []
+    doubted: dict[int, set[str]] = {}  # expert -> the peers whose copy of it we refused
     dense, reference = _take_dense(transport, spec, model, by_step, views, deadline, refused)
-    taken, unverified = _take_experts(transport, run_id, model, peers, views, timeout, refused)
+    taken = _take_experts(transport, run_id, model, peers, views, timeout, (refused, doubted))
+    missing = sorted(set(range(model.cfg.n_experts)) - set(taken))
+    taken |= _take_copies(
+        transport, run_id, model, by_step, views, missing, held, timeout, (refused, doubted)
+    )
+    from_init = [e for e in missing if e not in taken and held.get(e, 0) <= 0]
+    init_note = f"; experts {from_init} start from the initialisation (no valid copy in the swarm)"
     print(
         f"caught up with the swarm: dense {'fetched' if dense else 'not available'}, "
-        f"{taken}/{model.cfg.n_experts} experts fetched (checked against {len(views)} peers' prints)"
-        + "".join(f"; refused {why}" for why in refused),
+        f"{len(taken)}/{model.cfg.n_experts} experts fetched (checked against {len(views)} peers' prints)"
+        + "".join(f"; refused {why}" for why in refused)
+        + (init_note if from_init else ""),
         file=sys.stderr,
     )
-    return CaughtUp(dense, taken, reference, unverified, refused)
+    unverified = {}  # the swarm's view of an expert we could not take, to judge our first download of it by
+    for e in (e for e in from_init if e not in model.local_experts):
+        trusted = {p: v for p, v in views.items() if p not in doubted.get(e, ())}
+        ref = reference_print(trusted, expert_item(e), exclude="")
+        if ref is not None:
+            unverified[e] = ref
+    return CaughtUp(dense, len(taken), reference, unverified, refused, taken, from_init)
 
 
 def _take_dense(transport, spec, model, by_step, views, deadline, refused) -> tuple[bool, tuple | None]:
@@ -124,32 +158,64 @@ def _take_dense(transport, spec, model, by_step, views, deadline, refused) -> tu
     return False, None
 
 
-def _take_experts(transport, run_id, model, peers, views, timeout, refused) -> tuple[int, dict]:
+def _take_experts(transport, run_id, model, peers, views, timeout, refusals) -> dict[int, int]:
     """Each expert from the freshest holder whose copy passes, asked one holder at a time (each serves all
-    its experts in one request)."""
-    per_expert, taken, doubted = len(expert_tensors(model, 0)), set(), {}
+    its experts in one request). Returns {expert: the step of the copy taken}."""
+    per_expert, taken = len(expert_tensors(model, 0)), {}
     for peer in sorted(peers, key=lambda p: -peers[p].step):
-        wanted = set(peers[peer].experts) - taken
+        wanted = set(peers[peer].experts) - set(taken)
         if not wanted:
             continue
         served = transport.fetch(peer, f"{run_id}_experts", timeout)
-        items = served_items(served.meta, served.tensors, per_expert) if served is not None else {}
-        for e in sorted(wanted):
-            got, like = items.get(expert_item(e)), expert_tensors(model, e)
-            if not _valid(got, like):
-                continue
-            why = _doubt(views, expert_item(e), peer, got)
-            if why:
-                refused.append(f"expert{e} from {peer[-8:]}: {why}")
-                doubted.setdefault(e, set()).add(peer)
-                continue
-            overwrite(like, [t.float() for t in got])
-            taken.add(e)
-    unverified = {}
-    for e in set(range(model.cfg.n_experts)) - taken - set(model.local_experts):
-        # the swarm's view of an expert we could not take, leaving out the peers whose copies we refused
-        kept = {p: v for p, v in views.items() if p not in doubted.get(e, set())}
-        ref = reference_print(kept, expert_item(e), exclude="")
-        if ref is not None:
-            unverified[e] = ref
-    return len(taken), unverified
+        # a live holder's copy is the expert as it is now, whatever we held (its steps count its own training)
+        taken |= _take_served(served, wanted, peer, model, views, {}, per_expert, refusals)
+    return taken
+
+
+def _take_copies(
+    transport, run_id, model, by_step, views, missing, held, timeout, refusals
+) -> dict[int, int]:
+    """The experts that no live holder gave us, from the newest copy any peer holds (``CopyServer``): the
+    freshest first, the next freshest where one is refused."""
+    if not missing:
+        return {}
+    name, per_expert, taken, tried = f"{run_id}_copies", len(expert_tensors(model, 0)), {}, set()
+    offered = {
+        p: {item: step for item, (step, _) in served_steps(meta).items()}
+        for p, meta in gather_metadata(transport, name, by_step, min(timeout, PRINTS_S)).items()
+    }
+    for _ in range(3):
+        best: dict[str, set[int]] = {}
+        for e in set(missing) - set(taken):
+            steps = [(st[expert_item(e)], p) for p, st in offered.items() if expert_item(e) in st]
+            steps = [(s, p) for s, p in steps if s > max(0, held.get(e, 0)) and (e, p) not in tried]
+            if steps:
+                best.setdefault(max(steps)[1], set()).add(e)
+        if not best:
+            break
+        for peer, wanted in best.items():
+            tried |= {(e, peer) for e in wanted}
+            served = transport.fetch(peer, name, timeout)
+            taken |= _take_served(served, wanted, peer, model, views, held, per_expert, refusals)
+    return taken
+
+
+def _take_served(served, wanted, peer, model, views, held, per_expert, refusals) -> dict[int, int]:
+    """Overwrite our copies of ``wanted`` with what ``peer`` served, where valid, plausible (prints) and newer
+    than what we hold. Returns {expert: step} of those taken; ``refusals``: (why, {expert: peers refused})."""
+    if served is None:
+        return {}
+    items, steps, taken = served_items(served.meta, served.tensors, per_expert), served_steps(served.meta), {}
+    for e in sorted(wanted):
+        got, like = items.get(expert_item(e)), expert_tensors(model, e)
+        step = steps.get(expert_item(e), (0, False))[0]
+        if not _valid(got, like) or step <= held.get(e, -1):
+            continue
+        why = _doubt(views, expert_item(e), peer, got)
+        if why:
+            refusals[0].append(f"expert{e} from {peer[-8:]}: {why}")
+            refusals[1].setdefault(e, set()).add(peer)
+            continue
+        overwrite(like, [t.float() for t in got])
+        taken[e] = step
+    return taken

@@ -55,6 +55,7 @@ class ExpertDownloads:
         self.deltas_name, self.codec = changes if changes else (None, None)
         self.download_s, self.max_rel_distance = download_s, max_rel_distance
         self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
+        self.steps: dict[int, int] = {}  # of the copies the last ``fetch`` returned: the step each is from
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
         self._received_lock = threading.Lock()  # holders are asked from threads of their own
         self._print_refs: dict[
@@ -83,7 +84,7 @@ class ExpertDownloads:
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
-        self.received = 0
+        self.received, self.steps = 0, {}
         ranked = {e: sorted(hs, key=lambda h: -h[1])[:2] for e, hs in holders.items() if hs}
         changes: dict[int, float] = {}  # of the copies taken so far: what a second holder's are judged by
         for attempt in range(2):
@@ -116,6 +117,7 @@ class ExpertDownloads:
                         del answer.copies[e]
                         rejected.append(f"expert{e} from {peer[-8:]}: {why}")
                 got |= answer.copies
+                self.steps |= {e: answer.steps.get(e, step) for e in answer.copies}
                 self._source |= dict.fromkeys(answer.copies, peer)
                 for e in answer.copies:
                     self._print_refs.pop(e, None)
@@ -130,7 +132,7 @@ class ExpertDownloads:
         answer = _HolderAnswer()
         if self.deltas_name and not final:  # the changes since our copy, where they fit it
             fits = [e for e in wanted if self._source.get(e) == peer]
-            changed = self._changes(peer, peer_step, fits, mine, step, deadline) if fits else {}
+            changed = self._changes(peer, peer_step, fits, mine, step, deadline, answer.steps) if fits else {}
             answer.accept(changed, mine, self.max_rel_distance)
             wanted = [e for e in wanted if e not in answer.copies]
             if not wanted:
@@ -139,6 +141,7 @@ class ExpertDownloads:
         if served is None:
             return answer
         items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
+        steps = served_steps(served.meta)
         copies = {}
         for e in wanted:
             tensors = items.get(expert_item(e))
@@ -147,14 +150,16 @@ class ExpertDownloads:
                 continue
             # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
             copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
+            answer.steps[e] = steps[expert_item(e)][0] if expert_item(e) in steps else step
         answer.accept(copies, mine, self.max_rel_distance)
         return answer
 
     def _changes(
-        self, peer: str, peer_step: int, wanted: list[int], mine, step: int, deadline: float
+        self, peer: str, peer_step: int, wanted: list[int], mine, step: int, deadline: float, steps: dict
     ) -> dict[int, list[torch.Tensor]]:
         """The holder's new copies of ``wanted``, rebuilt from its changes against the copies we hold: only
-        where its base is exactly our copy, and the result exactly its new copy (both by hash)."""
+        where its base is exactly our copy, and the result exactly its new copy (both by hash). ``steps``
+        gets the step each new copy is from."""
         served = self._fresh(peer, peer_step, wanted, step, False, deadline, [], self.deltas_name, 1)
         if served is None:
             return {}
@@ -174,6 +179,7 @@ class ExpertDownloads:
             new = [(b.float() + c.float()).half() for b, c in zip(base, items[expert_item(e)], strict=True)]
             if copy_hash(new) == hashes[k]:
                 out[e] = new
+                steps[e] = served_steps(meta).get(expert_item(e), (step, False))[0]
         return out
 
     def _fresh(
@@ -236,6 +242,7 @@ class _HolderAnswer:
     """What one holder gave: checked copies, and why the rest did not come."""
 
     copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)  # the step each copy is from, as its holder says
     rejected: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 

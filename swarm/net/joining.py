@@ -57,6 +57,7 @@ def open_swarm_sync(
 ):
     """The hook of a peer on hivemind: its store, transport, heartbeat (``Membership``) and ``SwarmSync``
     (starting from the reference we caught up with, if any)."""
+    from swarm.net.dht_node import visible_maddrs
     from swarm.net.hivemind_transport import HivemindStore, HivemindTransport, copy_bound
     from swarm.net.membership import Membership
     from swarm.net.swarm_sync import SwarmSync
@@ -72,7 +73,7 @@ def open_swarm_sync(
     transport = HivemindTransport(dht, timing, codec, rule, max_copy_bytes=copy_bound(model))
     members = Membership(
         store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
-        cfg.sync.orphan_grace_s,
+        cfg.sync.orphan_grace_s, visible_maddrs(dht),
     )  # fmt: skip
     sync = SwarmSync(cfg, store, transport, model, members, last_round_at, TrafficMeter(dht.pid))
     if caught_up is not None and caught_up.reference is not None:
@@ -80,4 +81,5 @@ def open_swarm_sync(
                                 {DENSE: caught_up.reference[1]})  # fmt: skip
     if caught_up is not None:
         sync.ctx.downloads.judge_by_prints(caught_up.unverified)
+        sync.copies_from(caught_up.copy_steps)
     return sync

@@ -114,6 +114,8 @@ def fetch_final_copies(sync, model: MoETransformer) -> tuple[list[int], list[str
     holders = {e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in frozen}
     deadline = time.monotonic() + ctx.timing.round_s
     got, rejected, failures = ctx.downloads.fetch(holders, frozen, view.step_of(ctx.me), True, deadline)
-    for e, tensors in got.items():
-        overwrite(frozen[e], tensors)
+    with sync.copies.lock:
+        for e, tensors in got.items():
+            overwrite(frozen[e], tensors)
+    sync.took_copies({e: ctx.downloads.steps.get(e, view.step_of(ctx.me)) for e in got})
     return sorted(got), rejected + failures

@@ -66,12 +66,17 @@ class Membership:
         experts: list[int],
         n_experts: int,
         orphan_grace_s: float,
+        addrs: list[str] | None = None,
     ) -> None:
+        """``addrs``: our multiaddrs, which the heartbeat lists so that others (and the dashboard) can name
+        us as an entry point."""
         self.store, self.run_id, self.me, self.timing = store, run_id, me, timing
         self.n_experts, self.orphan_grace_s = n_experts, orphan_grace_s
         self.view = MembershipView(holders={e: frozenset() for e in range(n_experts)})
         self._local = list(experts)
-        self._hb = Heartbeat(experts=list(experts), state="training", period_s=timing.heartbeat_s)
+        self._hb = Heartbeat(
+            experts=list(experts), state="training", period_s=timing.heartbeat_s, addrs=list(addrs or [])[:8]
+        )
         self._lock = threading.Lock()  # guards _hb, _claimed, _local, _leaving
         self._claimed: list[int] | None = None
         self._leaving = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import hivemind
@@ -24,6 +24,7 @@ CONFIG_TTL_S = 24 * 3600.0
 STATES = ("joining", "training", "finishing", "done", "leaving")
 MAX_EXPERTS = 4096  # more experts than any record may name (a bound on what a reader accepts)
 MAX_COUNT = 2**62  # counters (steps, tokens, bytes) above this are not real
+MAX_ADDRS, MAX_ADDR_LEN = 8, 256  # a peer's entry points, as its heartbeat lists them
 
 
 class FingerprintMismatch(RuntimeError):
@@ -48,6 +49,7 @@ class Heartbeat:
     rounds_failed: int = 0
     period_s: float = 0.0  # how often this peer publishes (readers call it stale after two missed periods)
     sent_at: float | None = None  # DHT time of publication, set by publish_heartbeat
+    addrs: list[str] = field(default_factory=list)  # multiaddrs others may join the swarm through
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
@@ -77,8 +79,21 @@ class Heartbeat:
                 for k in ("loss", "last_round_time", "sent_at")
             )
             and fields.get("state", "joining") in STATES
+            and _addresses(fields.get("addrs", []))
         )
         return cls(**fields) if ok else None
+
+
+def _addresses(v: Any) -> bool:
+    """A short list of multiaddr-looking strings (what the dashboard shows as entry points)."""
+    return (
+        isinstance(v, list)
+        and len(v) <= MAX_ADDRS
+        and all(
+            isinstance(a, str) and a.startswith("/") and 0 < len(a) <= MAX_ADDR_LEN and a.isprintable()
+            for a in v
+        )
+    )
 
 
 def _whole(v: Any, low: int = 0, top: int = MAX_COUNT) -> bool:

@@ -70,6 +70,7 @@ class RoundResult:
     dense: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (snapshot, average)
     experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     downloads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    download_steps: dict[int, int] = field(default_factory=dict)  # the step each download is from
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         }
         got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, False, deadline)
         result.downloads, rec.download_failures = got, failures
+        result.download_steps = dict(ctx.downloads.steps)
         rec.rejected += rejected
         phases.end("downloads")
     _merge(result, plan, ctx.sync, ctx.n_experts)

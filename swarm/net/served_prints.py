@@ -51,16 +51,23 @@ def metadata_only(_meta: dict) -> bool:
     return False  # ``GroupTransport.fetch``'s ``accept``: the copy itself never travels
 
 
+def gather_metadata(
+    transport: GroupTransport, name: str, peers: Sequence[str], timeout: float
+) -> dict[str, dict]:
+    """{peer: the metadata it serves under group ``name``} of the peers that answer, asked at once."""
+    if not peers:
+        return {}
+    with ThreadPoolExecutor(len(peers), thread_name_prefix="swarm-metadata") as pool:
+        asked = [pool.submit(transport.fetch, p, name, timeout, metadata_only) for p in peers]
+        served = [a.result() for a in asked]
+    return {p: s.meta for p, s in zip(peers, served, strict=True) if s is not None}
+
+
 def gather_prints(
     transport: GroupTransport, name: str, peers: Sequence[str], timeout: float
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{peer: its prints} from the served metadata of group ``name`` of each peer, asked at once."""
-    if not peers:
-        return {}
-    with ThreadPoolExecutor(len(peers), thread_name_prefix="swarm-prints") as pool:
-        asked = [pool.submit(transport.fetch, p, name, timeout, metadata_only) for p in peers]
-        served = [a.result() for a in asked]
-    return {p: read_prints(s.meta) for p, s in zip(peers, served, strict=True) if s is not None}
+    return {p: read_prints(meta) for p, meta in gather_metadata(transport, name, peers, timeout).items()}
 
 
 def reference_print(

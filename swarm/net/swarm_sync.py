@@ -21,6 +21,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
+from swarm.net.copy_server import CopyServer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, side_stream, snapshot
 from swarm.net.group_layout import DENSE, expert_item, layout
 from swarm.net.membership import Membership
@@ -54,6 +55,10 @@ class SwarmSync:
         self.ctx.server.update(
             {expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False
         )
+        # our copies of the experts we do not train, with the step each is from (0: the initialisation)
+        self.copies = CopyServer(transport.open_server(f"{cfg.run_id}_copies"), model)
+        self.copy_steps = {e: 0 for e in range(self.n_experts) if e not in model.local_experts}
+        self._step = 0
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
         self._step_tokens, self.round_index, self.leaving = 0, 0, False
         self._slot: int | None = None  # the wall-clock slot of the last step (sync_every_s)
@@ -67,7 +72,13 @@ class SwarmSync:
         return running and time.monotonic() < self._in_flight_until
 
     # -- the hook -----------------------------------------------------------------------------------------
+    def copies_from(self, steps: dict[int, int]) -> None:
+        """The steps of the copies we hold now (``CaughtUp.copy_steps``), which the copy server offers."""
+        self.copy_steps |= {e: s for e, s in steps.items() if e in self.copy_steps}
+        self.copies.update(self.copy_steps)
+
     def after_step(self, model: MoETransformer, report: StepReport) -> SyncReply:
+        self._step = report.step
         self._tokens += report.step_tokens
         self._expert_tokens += report.expert_tokens.cpu()
         self.members.report_step(report.step, report.tokens, report.loss, report.step_tokens)
@@ -108,6 +119,11 @@ class SwarmSync:
         """The trainer switched experts: serve the new ones, forget the old ones' momentum, tell the swarm.
         Groups follow by themselves: the next round's layout names them."""
         new = list(model.local_experts)
+        # the experts we gave up are copies now, as of this step; those we took are no copies any more
+        self.copy_steps = {
+            e: self.copy_steps.get(e, self._step) for e in range(self.n_experts) if e not in new
+        }
+        self.copies.update(self.copy_steps)
         keep = {DENSE} | {expert_item(e) for e in new}
         self.outer.buffers = {k: v for k, v in self.outer.buffers.items() if k.split(".")[0] in keep}
         self.ctx.server.update({expert_item(e): expert_tensors(model, e) for e in new}, 0, False)
@@ -194,14 +210,22 @@ class SwarmSync:
             if e in model.local_experts:
                 self._outer(expert_item(e), expert_tensors(model, e), snap, avg)
                 applied.append(expert_item(e))
-        for e, tensors in result.downloads.items():
-            if e not in model.local_experts:
-                overwrite(expert_tensors(model, e), tensors)
+        with self.copies.lock:
+            for e, tensors in result.downloads.items():
+                if e not in model.local_experts:
+                    overwrite(expert_tensors(model, e), tensors)
+        if result.downloads:
+            self.took_copies({e: result.download_steps.get(e, result.record.step) for e in result.downloads})
         rec = result.record
         rec.applied, rec.applied_groups = bool(applied or result.downloads), applied
         rec.downloaded = sorted(result.downloads)
         self.members.record_round(rec)
         return rec
+
+    def took_copies(self, steps: dict[int, int]) -> None:
+        """New copies of these experts were written into the model, from these steps."""
+        self.copy_steps |= {e: s for e, s in steps.items() if e in self.copy_steps}
+        self.copies.update(self.copy_steps)
 
     def _outer(self, name: str, params: list[torch.Tensor], snap: list[torch.Tensor], avg) -> None:
         keys = [f"{name}.{i}" for i in range(len(params))]
@@ -213,4 +237,4 @@ class SwarmSync:
         self.members.close()
         if self._in_flight is not None:
             self._in_flight.join(timeout=min(2.0, max(0.0, self._in_flight_until - time.monotonic())))
-        self.transport.close_groups([*self.ctx.groups.take_all(), *self.ctx.server.groups])
+        self.transport.close_groups([*self.ctx.groups.take_all(), *self.ctx.server.groups, self.copies.group])

@@ -1,10 +1,12 @@
-"""``metrics.jsonl``: one JSON object per line, flushed as written so a crash loses at most one line."""
+"""``metrics.jsonl``: one JSON object per line (with its wall time, ``time``), flushed as written so a crash
+loses at most one line."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,8 @@ class MetricsLog:
         self._fh = open(self.path, "a", encoding="utf-8")
 
     def write(self, **record: Any) -> None:
+        """One record; ``time`` (Unix seconds) is added, so that peers' records can be lined up."""
+        record = {**record, "time": round(time.time(), 3)} if "time" not in record else record
         self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._fh.flush()
 

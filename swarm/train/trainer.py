@@ -96,6 +96,7 @@ class Trainer:
         self.step, self.tokens, self.ranks = 0, 0, ranks
         self.model: MoETransformer | None = None  # the raw model: rounds, evaluation, checkpoints use it
         self._saved_at = time.monotonic()  # of the last checkpoint (or the start): train.checkpoint_every_s
+        self.evaluate_at_start = False  # a resumed peer that caught up with the swarm: its loss from there
         self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
 
     @property
@@ -315,6 +316,9 @@ class Trainer:
         if self.step == 0:
             summary["initial_val_loss"] = self.evaluate()
             self.metrics.write(step=0, tokens=0, val_loss=summary["initial_val_loss"])
+        elif self.evaluate_at_start and self.is_leader:  # resumed, then caught up with the swarm
+            summary["caught_up_val_loss"] = self.evaluate()
+            self.metrics.write(step=self.step, tokens=self.tokens, val_loss=summary["caught_up_val_loss"])
         every = 1.0 if sys.stderr.isatty() else 10.0
         bar = tqdm(total=target, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True,
                    mininterval=every, desc=f"peer {self.cfg.run_id}")  # fmt: skip

@@ -162,6 +162,13 @@ function drawPeers(st) {
   body.replaceChildren(...rows);
 }
 
+function drawEntryPoints(st) {
+  const list = document.querySelector("#entry-points");
+  const items = st.peers.filter((p) => p.status === "online").flatMap((p) =>
+    (p.addrs || []).map((a) => el("li", { "data-peer": p.peer_id }, el("code", {}, a), " ", el("span", { class: "hint" }, p.short_id))));
+  list.replaceChildren(...(items.length ? items : [el("li", { class: "empty" }, "none online")]));
+}
+
 function drawCoverage(st) {
   const live = st.peers.filter((p) => p.status !== "offline");
   const liveIds = new Set(live.map((p) => p.peer_id));
@@ -205,6 +212,7 @@ function tick() {
   shownStatuses = key;
   const st = { ...lastState, now, peers };
   drawPeers(st);
+  drawEntryPoints(st);
   drawCoverage(st);
 }
 
@@ -214,6 +222,7 @@ function draw(st) {
   drawSummary(st);
   drawCharts(st);
   drawPeers(st);
+  drawEntryPoints(st);
   drawCoverage(st);
 }
 
