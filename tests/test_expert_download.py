@@ -99,3 +99,18 @@ def test_an_expert_still_at_its_initialisation_is_judged_by_the_swarms_print():
     server.update({"expert3": [torch.zeros(8, 4)]}, step=120, final=False)
     got, rejected, _ = downloads.fetch({3: [("b", 120)]}, {3: got[3]}, 120, False, time.monotonic() + 5)
     assert got == {} and "norm" in rejected[0]
+
+
+def test_a_member_that_claims_experts_it_does_not_serve_is_asked_after_those_that_answer():
+    net = LocalNetwork()
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {e: [torch.full((8, 4), 0.5)] for e in range(2)}
+    _holder(net).update({f"expert{e}": [torch.full((8, 4), 0.55)] for e in range(2)}, step=90, final=False)
+    # two fakes claim both experts at a huge step (the freshest, so asked first) and serve nothing
+    holders = {e: [("x", 10**9), ("y", 10**9 - 1), ("b", 90)] for e in range(2)}
+    got, _, failures = downloads.fetch(holders, mine, 100, False, time.monotonic() + 8)
+    assert sorted(got) == [0, 1] and failures  # the third holder asked served them
+    asked = len(net.fetched)
+    got, _, failures = downloads.fetch(holders, mine, 100, False, time.monotonic() + 8)
+    assert sorted(got) == [0, 1] and failures == []  # the holder that answered is asked first now
+    assert {who for _, who, _, _ in net.fetched[asked:]} == {"b"}

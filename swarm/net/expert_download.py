@@ -4,8 +4,8 @@
     got, rejected, failures = downloads.fetch({5: [(peer, step)], ...}, mine, step=100, final=False, deadline=t)
 
 Each holder serves its local experts under one name (``<run>_experts``): one request brings every expert a
-holder has that we want. The freshest holder of each expert is asked first, a second holder for what the
-first could not give; holders are asked at once (a thread each), so a round waits for the slowest, not for
+holder has that we want. The freshest holder of each expert is asked first (a holder that served us
+nothing the time before, last), the next one for what it could not give; holders are asked at once (a thread each), so a round waits for the slowest, not for
 their sum. In an ordinary round a holder still in the same round is asked again until the
 deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
 round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
@@ -37,6 +37,7 @@ from swarm.sync.codecs import Codec
 from swarm.sync.copy_prints import copy_doubt, copy_print
 
 RETRY_S = 0.5
+ATTEMPTS = 3  # holders asked in turn for one expert, at most
 MAX_EMPTY_ANSWERS = 5  # a holder serves nothing until its first round; an ordinary round gives up
 
 
@@ -58,9 +59,9 @@ class ExpertDownloads:
         self.steps: dict[int, int] = {}  # of the copies the last ``fetch`` returned: the step each is from
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
         self._received_lock = threading.Lock()  # holders are asked from threads of their own
-        self._print_refs: dict[
-            int, torch.Tensor
-        ] = {}  # expert -> the swarm's print, while ours is no reference
+        # expert -> the swarm's print, while our copy is no reference for it (``judge_by_prints``)
+        self._print_refs: dict[int, torch.Tensor] = {}
+        self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
 
     def judge_by_prints(self, references: Mapping[int, torch.Tensor]) -> None:
         """Judge the next copies of these experts by the swarm's prints (``swarm.net.catch_up``) instead of
@@ -85,9 +86,15 @@ class ExpertDownloads:
         rejected: list[str] = []
         failures: list[str] = []
         self.received, self.steps = 0, {}
-        ranked = {e: sorted(hs, key=lambda h: -h[1])[:2] for e, hs in holders.items() if hs}
+        # the freshest holders first, but those that gave us nothing before last: a member that claims
+        # experts it does not serve (and a huge step) is asked once, then after the holders that answer
+        ranked = {
+            e: sorted(hs, key=lambda h: (self._misses.get(h[0], 0) > 0, -h[1]))[:ATTEMPTS]
+            for e, hs in holders.items()
+            if hs
+        }
         changes: dict[int, float] = {}  # of the copies taken so far: what a second holder's are judged by
-        for attempt in range(2):
+        for attempt in range(ATTEMPTS):
             by_peer: dict[tuple[str, int], list[int]] = {}
             for e, hs in ranked.items():
                 if e not in got and attempt < len(hs):
@@ -109,6 +116,9 @@ class ExpertDownloads:
             }
             outliers, median = outlying_changes(changes | new)
             for peer, answer in answers:
+                # a holder that served none of what it was asked for is tried last next time
+                answered = bool(answer.copies or answer.rejected)
+                self._misses[peer] = 0 if answered else self._misses.get(peer, 0) + 1
                 for e in sorted(answer.copies):
                     why = self._doubt(e, answer.copies[e], mine[e])
                     if e in outliers:
