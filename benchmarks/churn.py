@@ -69,7 +69,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                                            start_new_session=True)  # fmt: skip
         return procs[name]
 
-    sets = [a for kv in args.set for a in ("--set", kv)] + ["--set", f"run_id=churn-{os.getpid()}"]
+    threads = max(1, (os.cpu_count() or 1) // (args.peers + 1))  # as swarm-demo: no core oversubscribed
+    sets = ["--set", f"train.threads={threads}", *(a for kv in args.set for a in ("--set", kv))]
+    sets += ["--set", f"run_id=churn-{os.getpid()}"]
     try:
         a = wait_for_maddr(work / "boot_a.log", start("boot_a", [py, "-m", "bootstrap.main"]))
         b = wait_for_maddr(
