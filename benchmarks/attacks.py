@@ -204,14 +204,15 @@ def _copies_summary(run: Path) -> dict:
         return [t[e] for k, t in sorted(ckpts[i].model.items()) if ".experts." in k]
 
     poisoned = {i: [e for e in rogue_experts if copy_doubt(copy(i, e), copy(2, e))] for i in (0, 1, 3)}
-    refused = 0
+    refused = 0  # refusals of the rogue's copies, in rounds and after the last one
     for i in (0, 1, 3):
         for line in (run / f"peer{i}" / "metrics.jsonl").read_text().splitlines():
             rec = json.loads(line)
+            whys = (rec.get("rejected") or []) + (rec.get("download_failures") or [])
             refused += sum(
                 1
-                for why in rec.get("rejected") or []
-                if any(why.startswith((f"expert{e} ", f"expert{e}:")) for e in rogue_experts)
+                for why in whys
+                if why.startswith(tuple(f"expert{e}{c}" for e in rogue_experts for c in " :["))
             )
     log = (run / "peer3.log").read_text()
     caught = next((ln for ln in log.splitlines() if ln.startswith("caught up with the swarm")), "")

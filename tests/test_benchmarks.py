@@ -154,3 +154,38 @@ def test_gpu_step_benchmark_skips_without_cuda(runs):
     proc = _finished(runs["gpu_step_bare"], timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("gpu_step: skipped: no CUDA device"), proc
     assert len(proc.stdout.strip().splitlines()) == 1
+
+
+def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
+    """benchmarks/convergence.py at a tiny shape, its swarms as threads on the in-memory transport: every
+    row is trained, judged by the one evaluator, printed, plotted and saved."""
+    import yaml
+
+    from tests.conftest import TINY_CONFIG
+
+    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
+           "sync": {"sync_every": 4, "matchmaking_s": 0.3, "round_timeout_s": 5.0, "heartbeat_s": 0.3,
+                    "download_timeout_s": 2.0, "merge_warmup_steps": 8, "merge_every": 1}}  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
+         str(tiny_data), "--transport", "local", "--steps", "12", "--peers", "2", "--json", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from benchmarks.convergence import ROWS
+
+    assert [r["row"] for r in rows] == list(ROWS)
+    central = rows[0]
+    assert central["ratio_to_central"] == 1.0 and central["bytes_per_peer"] == 0
+    for r in rows:
+        assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r  # below ln(512) = 6.24 + margin
+        assert r["tokens"] == 12 * 2 * cfg["data"]["micro_batch"] * cfg["data"]["seq_len"], r
+    swarms = {r["row"]: r for r in rows[1:]}
+    assert all(r["bytes_per_peer"] > 0 for r in swarms.values())
+    saved = json.loads((out / "convergence.json").read_text())
+    assert set(saved["rows"]) == set(ROWS) and all(saved["rows"][k]["curve"] for k in ROWS)
+    assert (out / "convergence.png").stat().st_size > 10_000

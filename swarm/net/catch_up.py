@@ -42,7 +42,7 @@ from swarm.net.transport import GroupTransport
 from swarm.sync.copy_prints import copy_doubt, copy_print
 
 RETRY_S = 1.0
-PRINTS_S = 10.0  # how long to wait for peers that are in a round (they serve no prints meanwhile)
+PRINTS_S = 10.0  # how long to wait for the prints of peers that have had a round but did not answer
 ASKED = 8  # peers asked for prints and dense weights: the freshest ones
 ENOUGH_VIEWS = 3  # prints of this many peers make a majority for any one copy: no need to wait for more
 
@@ -78,7 +78,7 @@ def _doubt(views, item: str, peer: str, tensors: list[torch.Tensor]) -> str:
 
 
 def _gather(transport: GroupTransport, name: str, peers: list[str], timeout: float) -> dict:
-    """Prints of as many peers as answer within ``timeout`` (a peer in a round serves none until its end)."""
+    """Prints of as many peers as answer within ``timeout``; enough once ENOUGH_VIEWS have."""
     views, deadline = {}, time.monotonic() + timeout
     while True:
         asked = [p for p in peers if not views.get(p)]

@@ -82,7 +82,7 @@ def digests_agree(
     """Whether two digests agree within ``tolerance`` of each segment's sum of |x|, plus ``floor`` (per
     segment: the sums of |x| of what we sent, when members' results may differ by the codec's error of
     mean - own, which can exceed the mean when the members' changes cancel out)."""
-    if len(a) != len(b) or not all(finite_number(x) for x in (*a, *b)):
+    if len(a) != len(b) or len(a) % 2 or not all(finite_number(x) for x in (*a, *b)):
         return False  # another peer's digest may be anything (a NaN would agree with every digest)
     if floor is not None and len(floor) * 2 != len(a):
         return False
@@ -92,6 +92,14 @@ def digests_agree(
         if abs(a[i] - b[i]) > tolerance * scale or abs(a[i + 1] - b[i + 1]) > tolerance * scale:
             return False
     return True
+
+
+def _differs(differ: list[str], seen: dict, missing: int, mine: list[float]) -> str:
+    """Why a round is dropped for differing digests: who, and whether the digests were finite numbers."""
+    odd = sum(1 for p in differ if not (isinstance(seen[p], list) and all(finite_number(x) for x in seen[p])))
+    own = "" if all(finite_number(x) for x in mine) else "; ours is not finite"
+    return (f"partial round: result differs from {', '.join(p[-8:] for p in differ)}"
+            + (f" ({odd} not finite)" if odd else "") + (f", {missing} silent" if missing else "") + own)  # fmt: skip
 
 
 def _majority(k: int, n: int) -> bool:
@@ -120,7 +128,7 @@ def await_digests(
     ``grace`` seconds since. Returns (ok, reason); a reason with ok says who was out-voted or missing."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
-    quorum_since = None
+    quorum_since = dissent_since = None
     while True:
         found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
         seen = {peer: value for peer, (value, _) in found.items() if peer in others}
@@ -135,8 +143,14 @@ def await_digests(
         agreeing, n = 1 + len(seen) - len(differ), len(others) + 1
         if not _majority(agreeing + len(missing), n):  # out-voted, or no majority can form any more
             if differ:
-                return False, f"partial round: result differs from {differ[0][-8:]}"
+                return False, _differs(differ, seen, len(missing), mine)
             return False, f"partial round: no digest from {len(missing)} member(s)"
+        if differ and not _majority(agreeing, n):
+            # a member that dropped out mid-round leaves the others' results differing and its own digest
+            # missing: waiting for it to side with us past the grace period would stall the round
+            dissent_since = time.monotonic() if dissent_since is None else dissent_since
+            if time.monotonic() - dissent_since >= grace:
+                return False, _differs(differ, seen, len(missing), mine)
         if _majority(agreeing, n):
             quorum_since = time.monotonic() if quorum_since is None else quorum_since
             if not missing or time.monotonic() - quorum_since >= min(

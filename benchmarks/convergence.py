@@ -1,0 +1,158 @@
+"""Is a model trained by the swarm as good as one trained centrally on the same tokens?
+
+    python benchmarks/convergence.py                       # docs-corpus, demo shape, every row (~40 min)
+    python benchmarks/convergence.py --quick               # fewer steps (~10 min)
+    python benchmarks/convergence.py --corpus stdlib --rows central swarm nesterov --json
+    python benchmarks/convergence.py --set model.d_model=256 --steps 400 --out runs/conv
+
+Prepares the corpus with the project's own tools (``--corpus``: ../shared/data/docs-corpus.txt.xz by
+default, ``stdlib`` for the embedded one, or a glob of .txt/.jsonl/.parquet files), then trains every row
+for ``--steps`` steps per peer (``--peers`` peers; the centralized reference takes their combined batch
+for as many steps) and judges each by one evaluator on exported HF models (``convergence_runs``):
+
+    central        transformers' OlmoeForCausalLM, the peers' combined batch (the reference)
+    swarm          the swarm as shipped (the config's sync section)
+    no_merge       merge warm-up off
+    replication2   every expert held by two peers (experts.per_peer doubled)
+    nesterov       DiLoCo's outer step: sync_alpha 0.7, Nesterov momentum 0.9
+    sync_half      rounds twice as often
+    sync_double    rounds half as often
+    diloco_tokens  every peer trains every expert (full-model DiLoCo), same tokens
+    diloco_bytes   the same, rounds spaced so that it moves as many bytes per peer as the swarm
+
+Printed: final validation loss, its ratio to central, bytes per peer (the round records' count, both
+directions), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
+(validation loss against tokens; the swarm rows' curves are peer 0's own ``val_loss``, the central one the
+evaluator's). ``--json`` prints one JSON object per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ROWS = ("central", "swarm", "no_merge", "replication2", "nesterov", "sync_half", "sync_double",
+        "diloco_tokens", "diloco_bytes")  # fmt: skip
+DOCS_CORPUS = ROOT.parent / "shared" / "data" / "docs-corpus.txt.xz"
+
+
+def row_overrides(name: str, cfg, diloco_every: int | None = None) -> list[str]:
+    """The config overrides that make a swarm row (on top of ``--set``)."""
+    s, per_peer, every = cfg.sync, cfg.experts.per_peer or cfg.model.n_experts, cfg.sync.sync_every
+    return {
+        "swarm": [],
+        "no_merge": ["sync.merge_warmup_steps=0"],
+        "replication2": [f"experts.per_peer={min(cfg.model.n_experts, 2 * per_peer)}"],
+        "nesterov": ["sync.sync_alpha=0.7", "sync.outer_momentum=0.9"],
+        "sync_half": [f"sync.sync_every={max(1, every // 2)}"],
+        "sync_double": [f"sync.sync_every={2 * every}"],
+        "diloco_tokens": [f"experts.per_peer={cfg.model.n_experts}"],
+        "diloco_bytes": [
+            f"experts.per_peer={cfg.model.n_experts}",
+            f"sync.sync_every={diloco_every or every}",
+        ],
+    }[name] + ([] if s.sync_every_s <= 0 else ["sync.sync_every_s=0"])  # rounds by steps: equal for all rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from convergence_runs import prepare_corpus, run_central, run_swarm
+
+    from swarm.config import load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every row")
+    ap.add_argument("--corpus", default=str(DOCS_CORPUS), help='a .xz/.txt file, a glob, or "stdlib"')
+    ap.add_argument("--corpus-mb", type=float, default=12.0, help="how much of a .xz/.txt corpus")
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--steps", type=int, default=250, help="optimizer steps per peer")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--transport", choices=("process", "local"), default="process")
+    ap.add_argument("--quick", action="store_true", help="80 steps per peer")
+    ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    steps = 80 if args.quick else args.steps
+    with tempfile.TemporaryDirectory(prefix="swarm-convergence-") as tmp:
+        work = Path(tmp)
+        data = prepare_corpus(args.corpus, work / "corpus", mb=args.corpus_mb)
+        sets = [*args.set, f"data.path={data}", f"train.max_steps={steps}", f"train.decay_steps={steps}"]
+        cfg = load_config(args.config, sets)
+        rows = list(args.rows)
+        if "diloco_bytes" in rows:  # needs both measured first
+            rows = [r for r in ROWS if r in rows or r in ("swarm", "diloco_tokens")]
+        results, diloco_every = {}, None
+        for name in rows:
+            if name == "central":
+                res = run_central(cfg, steps, args.peers, eval_every=max(1, steps // 8))
+            else:
+                if name == "diloco_bytes":
+                    diloco_every = _every_for_equal_bytes(results, steps, cfg.sync.sync_every)
+                extra = [*sets, *row_overrides(name, cfg, diloco_every)]
+                res = run_swarm(
+                    name, Path(args.config), extra, steps, args.peers, work / name, args.transport
+                )
+            results[name] = res
+            _print_row(res, results.get("central"), args.json)
+        if args.out:
+            _save(results, Path(args.out), args, steps)
+    return 0
+
+
+def _every_for_equal_bytes(results: dict, steps: int, every: int) -> int:
+    """The sync interval at which full-model DiLoCo moves as many bytes per peer as the swarm did: the
+    swarm's bytes per peer over DiLoCo's bytes per round (both measured, at the same number of steps)."""
+    swarm, full = results["swarm"], results["diloco_tokens"]
+    if not full.rounds_started or not swarm.bytes_per_peer:
+        return 2 * every
+    rounds = max(1, round(swarm.bytes_per_peer / (full.bytes_per_peer / full.rounds_started)))
+    return max(every, steps // rounds)
+
+
+def _print_row(res, central, as_json: bool) -> None:
+    ratio = res.val_loss / central.val_loss if central else float("nan")
+    if as_json:
+        print(json.dumps({"row": res.name, "val_loss": res.val_loss, "ratio_to_central": ratio,
+                          "bytes_per_peer": res.bytes_per_peer, "wall_s": res.wall_s, "tokens": res.tokens,
+                          "rounds_applied": res.rounds_applied}), flush=True)  # fmt: skip
+        return
+    print(f"{res.name:>14}: val loss {res.val_loss:.4f}  x{ratio:.3f} of central  "
+          f"{res.bytes_per_peer / 1e6:8.1f} MB/peer  {res.wall_s:6.0f} s  {res.tokens:,} tokens  "
+          f"{res.rounds_applied} dense rounds applied", flush=True)  # fmt: skip
+
+
+def _save(results: dict, out: Path, args, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"args": vars(args), "steps": steps, "rows": {k: asdict(v) for k, v in results.items()}}
+    (out / "convergence.json").write_text(json.dumps(payload, indent=1))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, res in results.items():
+        if res.curve:
+            xs, ys = zip(*res.curve, strict=True)
+            ax.plot(
+                xs, ys, label=f"{name} ({res.val_loss:.3f})", lw=2.5 if name in ("central", "swarm") else 1.2
+            )
+    ax.set_xlabel("tokens (all peers)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"{Path(args.corpus).name}: {args.peers} peers x {steps} steps")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
