@@ -117,11 +117,14 @@ def catch_up(
         transport, run_id, model, by_step, views, missing, held, timeout, (refused, doubted)
     )
     from_init = [e for e in missing if e not in taken and held.get(e, 0) <= 0]
+    kept = [e for e in missing if e not in taken and held.get(e, 0) > 0]
     init_note = f"; experts {from_init} start from the initialisation (no valid copy in the swarm)"
+    kept_note = f"; experts {kept} kept as checkpointed (no newer copy in the swarm)"
     print(
         f"caught up with the swarm: dense {'fetched' if dense else 'not available'}, "
         f"{len(taken)}/{model.cfg.n_experts} experts fetched (checked against {len(views)} peers' prints)"
         + "".join(f"; refused {why}" for why in refused)
+        + (kept_note if kept else "")
         + (init_note if from_init else ""),
         file=sys.stderr,
     )
