@@ -1,6 +1,6 @@
 """Issue 13's averaging attacks, re-run with real processes: a rogue member that holds the swarm key.
 
-    python benchmarks/attacks.py [--attacks none negated scaled nan huge weight] [--rules mean centered_clip]
+    python benchmarks/attacks.py [--attacks none negated scaled nan huge weight] [--rules mean centered_clip centered_trim]
                                  [--minutes 1.5] [--json]
 
 For each rule (``sync.aggregation``) and attack: a keyed bootstrap, two honest ``swarm-peer``s and one rogue
@@ -254,7 +254,7 @@ def main() -> int:
         return run_rogue(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1 :])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=[*ATTACKS, *COPY_ATTACKS])
-    ap.add_argument("--rules", nargs="+", default=["mean", "centered_clip"])
+    ap.add_argument("--rules", nargs="+", default=["mean", "centered_clip", "centered_trim"])
     ap.add_argument("--minutes", type=float, default=1.5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -219,11 +219,12 @@ class SyncConfig:
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1
-    # how a group's contributions are combined (swarm.sync.robust_mean): "centered_clip" bounds what a rogue
-    # member can do and weights every member equally; "mean" weights members by their tokens and trusts them
-    # (closed swarms of peers you run yourself). Every peer of a swarm must use the same rule
-    aggregation: Literal["mean", "centered_clip"] = "centered_clip"
-    clip_factor: float = 2.0  # centered_clip's radius: this x the median member's distance from the centre
+    # how a group's contributions are combined (swarm.sync.robust_mean): "centered_trim" (and
+    # "centered_clip") bound what a rogue member can do and weight every member equally; "mean" weights
+    # members by their tokens and trusts them (closed swarms of peers you run yourself). Every peer of a
+    # swarm must use the same rule
+    aggregation: Literal["mean", "centered_clip", "centered_trim"] = "centered_trim"
+    clip_factor: float = 2.0  # the robust rules' radius: this x the median member's distance from the centre
 
     def __post_init__(self) -> None:
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")

@@ -1,9 +1,10 @@
-"""Aggregation rules: centered clipping is the mean for honest members and bounds a rogue one's pull."""
+"""Aggregation rules: centered clipping and trimming are the mean for honest members and bound a rogue one's
+pull; trimming leaves a far one out."""
 
 import pytest
 import torch
 
-from swarm.sync.robust_mean import aggregation_rule, centered_clip
+from swarm.sync.robust_mean import aggregation_rule, centered_clip, centered_trim
 
 
 def _honest(n: int, d: int = 1000, spread: float = 0.01, seed: int = 0) -> torch.Tensor:
@@ -12,15 +13,16 @@ def _honest(n: int, d: int = 1000, spread: float = 0.01, seed: int = 0) -> torch
     return base + spread * torch.randn(n, d, generator=g)
 
 
+@pytest.mark.parametrize("rule", [centered_clip, centered_trim])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_honest_members_get_the_exact_mean(n):
+def test_honest_members_get_the_exact_mean(n, rule):
     parts = _honest(n)
-    assert torch.allclose(centered_clip(parts), parts.mean(0), atol=1e-6)
+    assert torch.allclose(rule(parts), parts.mean(0), atol=1e-6)
 
 
 def test_shape_is_kept():
     parts = _honest(3, d=24).view(3, 4, 6)
-    assert centered_clip(parts).shape == (4, 6)
+    assert centered_clip(parts).shape == centered_trim(parts).shape == (4, 6)
 
 
 @pytest.mark.parametrize("attack", ["negated", "scaled", "huge", "far"])
@@ -73,5 +75,40 @@ def test_rules_by_name():
     assert aggregation_rule("mean") is None
     parts = _honest(3)
     assert torch.allclose(aggregation_rule("centered_clip", 3.0)(parts), parts.mean(0), atol=1e-6)
+    assert torch.allclose(aggregation_rule("centered_trim", 3.0)(parts), parts.mean(0), atol=1e-6)
     with pytest.raises(ValueError, match="unknown aggregation rule"):
         aggregation_rule("median")
+
+
+@pytest.mark.parametrize("attack", ["negated", "scaled", "huge", "far", "nan"])
+def test_trimming_leaves_a_far_rogue_out_entirely(attack):
+    """What clipping lets through each round (tau / 3, the same way every round for these attacks),
+    trimming does not: the result is the honest members' exact mean."""
+    g = torch.Generator().manual_seed(1)
+    reference, step = torch.randn(1000, generator=g), 0.01 * torch.randn(1000, generator=g)
+    honest = reference + step + 0.002 * torch.randn(2, 1000, generator=g)
+    rogue = {
+        "negated": reference - step,
+        "scaled": reference + 3 * step,
+        "huge": torch.full((1000,), 1e38),
+        "far": reference + 50.0,
+        "nan": torch.full((1000,), float("nan")),
+    }[attack]
+    parts = torch.stack([honest[0], rogue, honest[1]])
+    assert torch.allclose(centered_trim(parts), honest.mean(0), atol=1e-6)
+    if attack != "nan":
+        assert (centered_clip(parts) - honest.mean(0)).norm() > 10 * (
+            centered_trim(parts) - honest.mean(0)
+        ).norm()
+
+
+def test_trimming_keeps_a_member_within_the_radius_so_its_pull_is_bounded_by_it():
+    g = torch.Generator().manual_seed(2)
+    honest = torch.randn(1000, generator=g) + 0.01 * torch.randn(3, 1000, generator=g)
+    center = honest.median(0).values
+    tau = 2 * (honest - center).norm(dim=1).sort().values[1]
+    sneaky = center + 0.9 * tau * torch.ones(1000) / 1000**0.5  # just inside, the same way every round
+    parts = torch.cat([honest[:2], sneaky[None]])
+    got = centered_trim(parts)
+    assert torch.allclose(got, parts.mean(0), atol=1e-6)  # kept: it is within the radius
+    assert (got - honest[:2].mean(0)).norm() <= tau  # and pulled no farther than the radius

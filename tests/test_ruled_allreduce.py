@@ -84,6 +84,17 @@ def test_a_rogue_member_is_clipped_in_every_part(dhts, attack):
         assert (plain - honest_mean).norm() > 3 * (expected - honest_mean).norm()
 
 
+@pytest.mark.parametrize("attack", ["negated", "huge"])
+def test_with_trimming_a_far_rogue_is_left_out_of_every_part(dhts, attack):
+    sent = _members(attack)
+    outcomes = _average(dhts, f"t_trim_{attack}", sent, aggregation_rule("centered_trim"))
+    honest_mean = (sent[0][0] + sent[2][0]) / 2
+    for out in (outcomes[0], outcomes[2]):
+        assert out.ok, out.reason
+        assert torch.allclose(out.tensors[0], honest_mean, atol=1e-5)  # the honest members' exact mean
+        assert out.tensors[1].item() == pytest.approx(1.0)
+
+
 def test_a_stated_weight_is_ignored_by_the_mean(dhts):
     sent = [[torch.full((NUMEL,), v), torch.ones(1)] for v in (0.0, 6.0, 3.0)]
     outcomes = _average(dhts, "t_weight", sent, rule=None, rogue_weight=1e7)

@@ -1,7 +1,7 @@
 """An in-memory ``Store`` and ``GroupTransport`` for peers in one process, with a fault plan.
 
     net = LocalNetwork(matchmaking_s=0.3, faults=[Fault("nan", peer="b", round=2)], codec=codec_named("int8"),
-                       rule=aggregation_rule("centered_clip"))
+                       rule=aggregation_rule("centered_trim"))
     store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window

@@ -1,6 +1,6 @@
 """What each member of a group tells the others (``RoundInfo``), gathered by the group and checked by all.
 
-info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="", rule="centered_clip")
+info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="", rule="centered_trim")
 group.start(tensors, info.to_msg(), ...)
 theirs = RoundInfo.from_msg(gathered[peer], n_items=1)     # None unless well formed and plausible
 """
