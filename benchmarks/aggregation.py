@@ -1,11 +1,11 @@
-"""What centered clipping costs a reducer, next to hivemind's plain mean, on one machine side by side.
+"""What the robust rules cost a reducer, next to hivemind's plain mean, on one machine side by side.
 
     python benchmarks/aggregation.py [--config configs/demo.yaml] [--members 2 3 4] [--repeats 5] [--json]
 
 Each of a group's n members reduces a 1/n share of the group's vector, part by part (hivemind's parts of
 512 KiB), in ``RuledPartReducer``, on one thread of its averager's process, all members at once. This times
 one member's share of the dense group (the config's dense weights: the largest group a peer runs) for
-``mean`` and ``centered_clip``, in the same process and interleaved, and prints the seconds, the extra
+``mean``, ``centered_clip`` and ``centered_trim``, in the same process and interleaved, and prints the seconds, the extra
 time per MB reduced, and the extra time next to the time the all-reduce's bytes take on a link of
 ``--mbit`` (2 (n-1)/n of the vector per member). Bytes: nothing extra travels (the rule runs where hivemind's sum ran, on the
 parts it receives anyway), so the bytes ratio is 1 by construction; ``tests/test_ruled_allreduce.py`` runs
@@ -61,35 +61,36 @@ def main() -> None:
     vector = torch.cat(
         [t.detach().float().reshape(-1) for t in dense_tensors(MoETransformer(cfg.model, [0]))]
     )
-    rules = {"mean": None, "centered_clip": aggregation_rule("centered_clip")}
+    rules = {name: aggregation_rule(name) for name in ("mean", "centered_clip", "centered_trim")}
     for n in args.members:
         parts = list(vector[: vector.numel() // n].split(DEFAULT_PART_SIZE_BYTES // 4))  # one member's share
         times = {name: [] for name in rules}
-        for _ in range(args.repeats):  # interleaved: a slow phase of a shared machine hits both
+        for _ in range(args.repeats):  # interleaved: a slow phase of a shared machine hits all alike
             for name, rule in rules.items():
                 times[name].append(reduce_seconds(parts, n, rule))
-        mean_s, clip_s = (statistics.median(times[k]) for k in rules)
+        seconds = {k: statistics.median(v) for k, v in times.items()}
         # a butterfly all-reduce moves 2 (n-1)/n of the vector per member
         link_s = 2 * (n - 1) / n * vector.numel() * 4 * 8 / (args.mbit * 1e6)
-        row = {
-            "members": n,
-            "values": vector.numel(),
-            "mean_s": round(mean_s, 4),
-            "centered_clip_s": round(clip_s, 4),
-            "ratio": round(clip_s / mean_s, 2),
-            "extra_s_per_mb": round((clip_s - mean_s) / (vector.numel() // n * 4 / 1e6), 5),
-            "extra_vs_link": round((clip_s - mean_s) / link_s, 4),
-            "bytes_ratio": 1.0,
-        }
+        mb = vector.numel() // n * 4 / 1e6
+        row = {"members": n, "values": vector.numel(), "bytes_ratio": 1.0}
+        for name, sec in seconds.items():
+            row[f"{name}_s"] = round(sec, 4)
+            if name != "mean":
+                row[f"{name}_extra_s_per_mb"] = round((sec - seconds["mean"]) / mb, 5)
+                row[f"{name}_extra_vs_link"] = round((sec - seconds["mean"]) / link_s, 4)
         if args.json:
             print(json.dumps(row), flush=True)
-        else:
-            print(
-                f"{n} members, a share of {row['values'] // n:,} values: mean {mean_s:.3f} s, centered_clip "
-                f"{clip_s:.3f} s; extra {row['extra_s_per_mb'] * 1e3:.2f} ms/MB reduced, "
-                f"{row['extra_vs_link']:.1%} of the all-reduce's time on a {args.mbit:g} Mbit/s link",
-                flush=True,
-            )
+            continue
+        extras = "; ".join(
+            f"{name} {seconds[name]:.3f} s (extra {row[f'{name}_extra_s_per_mb'] * 1e3:.2f} ms/MB reduced, "
+            f"{row[f'{name}_extra_vs_link']:.1%} of the all-reduce's time on a {args.mbit:g} Mbit/s link)"
+            for name in rules
+            if name != "mean"
+        )
+        print(
+            f"{n} members, a share of {row['values'] // n:,} values: mean {seconds['mean']:.3f} s; {extras}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

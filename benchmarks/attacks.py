@@ -1,7 +1,7 @@
 """Issue 13's averaging attacks, re-run with real processes: a rogue member that holds the swarm key.
 
     python benchmarks/attacks.py [--attacks none negated scaled nan huge weight] [--rules mean centered_clip centered_trim]
-                                 [--minutes 1.5] [--json]
+                                 [--minutes 1.5] [--set sync.sync_every_s=15] [--json]
 
 For each rule (``sync.aggregation``) and attack: a keyed bootstrap, two honest ``swarm-peer``s and one rogue
 peer on 127.0.0.1 with the demo config, all stopping at the same time. The rogue is the real peer with one
@@ -102,7 +102,7 @@ def _wait_maddr(log: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
     return wait_for_maddr(log, proc, timeout)
 
 
-def run_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
+def run_scenario(rule: str, attack: str, minutes: float, work: Path, extra: tuple[str, ...] = ()) -> dict:
     from swarm.config import load_config
 
     py, env = sys.executable, {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -114,6 +114,7 @@ def run_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
     key = run / "swarm.key"
     run_id = f"atk-{rule.replace('_', '')}-{attack}-{os.getpid()}"
     sets = ["--set", f"run_id={run_id}", "--set", f"sync.aggregation={rule}", "--set", "train.threads=1"]
+    sets += [a for kv in extra for a in ("--set", kv)]
     boot_log = open(run / "bootstrap.log", "w")
     procs = [subprocess.Popen([py, "-m", "bootstrap.main", "--new-swarm", "--swarm-key", str(key)], cwd=ROOT,
                               env=env, stdout=boot_log, stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
@@ -145,13 +146,16 @@ def run_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
     }
 
 
-def run_copy_scenario(rule: str, attack: str, minutes: float, work: Path) -> dict:
+def run_copy_scenario(
+    rule: str, attack: str, minutes: float, work: Path, extra: tuple[str, ...] = ()
+) -> dict:
     """Two honest peers and a rogue serving poisoned copies of its experts; an honest joiner halfway."""
     py, env = sys.executable, {**os.environ, "PYTHONUNBUFFERED": "1"}
     run = work / f"{rule}-{attack}"
     run.mkdir(parents=True)
     key, run_id = run / "swarm.key", f"atk-{rule.replace('_', '')}-{attack.replace('_', '')}-{os.getpid()}"
     sets = ["--set", f"run_id={run_id}", "--set", f"sync.aggregation={rule}", "--set", "train.threads=1"]
+    sets += [a for kv in extra for a in ("--set", kv)]
     boot_log = open(run / "bootstrap.log", "w")
     procs = [subprocess.Popen([py, "-m", "bootstrap.main", "--new-swarm", "--swarm-key", str(key)], cwd=ROOT,
                               env=env, stdout=boot_log, stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
@@ -256,13 +260,17 @@ def main() -> int:
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=[*ATTACKS, *COPY_ATTACKS])
     ap.add_argument("--rules", nargs="+", default=["mean", "centered_clip", "centered_trim"])
     ap.add_argument("--minutes", type=float, default=1.5)
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides, every peer"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarm-attacks-") as tmp:
         for rule in args.rules:
             for attack in args.attacks:
                 scenario = run_copy_scenario if attack in COPY_ATTACKS else run_scenario
-                row = scenario(rule, attack, args.minutes, Path(tmp))
+                row = scenario(rule, attack, args.minutes, Path(tmp), tuple(args.set))
+                row["set"] = args.set
                 if args.json or attack in COPY_ATTACKS:
                     print(json.dumps(row), flush=True)
                 else:
