@@ -44,22 +44,27 @@ ROWS = ("central", "swarm", "no_merge", "replication2", "nesterov", "sync_half",
 DOCS_CORPUS = ROOT.parent / "shared" / "data" / "docs-corpus.txt.xz"
 
 
-def row_overrides(name: str, cfg, diloco_every: int | None = None) -> list[str]:
-    """The config overrides that make a swarm row (on top of ``--set``)."""
-    s, per_peer, every = cfg.sync, cfg.experts.per_peer or cfg.model.n_experts, cfg.sync.sync_every
+def row_overrides(name: str, cfg, diloco_scale: float = 2.0) -> list[str]:
+    """The config overrides that make a swarm row (on top of ``--set``). Intervals scale whichever way the
+    config times its rounds: ``sync_every`` steps, or ``sync_every_s`` seconds of wall clock."""
+    per_peer = cfg.experts.per_peer or cfg.model.n_experts
+    by_time = cfg.sync.sync_every_s > 0
+
+    def every(scale: float) -> str:
+        if by_time:
+            return f"sync.sync_every_s={max(1.0, cfg.sync.sync_every_s * scale):g}"
+        return f"sync.sync_every={max(1, round(cfg.sync.sync_every * scale))}"
+
     return {
         "swarm": [],
         "no_merge": ["sync.merge_warmup_steps=0"],
         "replication2": [f"experts.per_peer={min(cfg.model.n_experts, 2 * per_peer)}"],
         "nesterov": ["sync.sync_alpha=0.7", "sync.outer_momentum=0.9"],
-        "sync_half": [f"sync.sync_every={max(1, every // 2)}"],
-        "sync_double": [f"sync.sync_every={2 * every}"],
+        "sync_half": [every(0.5)],
+        "sync_double": [every(2.0)],
         "diloco_tokens": [f"experts.per_peer={cfg.model.n_experts}"],
-        "diloco_bytes": [
-            f"experts.per_peer={cfg.model.n_experts}",
-            f"sync.sync_every={diloco_every or every}",
-        ],
-    }[name] + ([] if s.sync_every_s <= 0 else ["sync.sync_every_s=0"])  # rounds by steps: equal for all rows
+        "diloco_bytes": [f"experts.per_peer={cfg.model.n_experts}", every(diloco_scale)],
+    }[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,24 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="80 steps per peer")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", default=None, help="keep the runs' directories here (default: a temporary one)")
     args = ap.parse_args(argv)
     steps = 80 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="swarm-convergence-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
         data = prepare_corpus(args.corpus, work / "corpus", mb=args.corpus_mb)
         sets = [*args.set, f"data.path={data}", f"train.max_steps={steps}", f"train.decay_steps={steps}"]
         cfg = load_config(args.config, sets)
         rows = list(args.rows)
         if "diloco_bytes" in rows:  # needs both measured first
             rows = [r for r in ROWS if r in rows or r in ("swarm", "diloco_tokens")]
-        results, diloco_every = {}, None
+        results, diloco_scale = {}, 2.0
         for name in rows:
             if name == "central":
                 res = run_central(cfg, steps, args.peers, eval_every=max(1, steps // 8))
             else:
                 if name == "diloco_bytes":
-                    diloco_every = _every_for_equal_bytes(results, steps, cfg.sync.sync_every)
-                extra = [*sets, *row_overrides(name, cfg, diloco_every)]
+                    diloco_scale = _scale_for_equal_bytes(results)
+                extra = [*sets, *row_overrides(name, cfg, diloco_scale)]
                 res = run_swarm(
                     name, Path(args.config), extra, steps, args.peers, work / name, args.transport
                 )
@@ -107,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _every_for_equal_bytes(results: dict, steps: int, every: int) -> int:
-    """The sync interval at which full-model DiLoCo moves as many bytes per peer as the swarm did: the
-    swarm's bytes per peer over DiLoCo's bytes per round (both measured, at the same number of steps)."""
+def _scale_for_equal_bytes(results: dict) -> float:
+    """How much farther apart full-model DiLoCo's rounds must be to move as many bytes per peer as the swarm:
+    its bytes per round (measured by ``diloco_tokens``) against the swarm's bytes in all."""
     swarm, full = results["swarm"], results["diloco_tokens"]
     if not full.rounds_started or not swarm.bytes_per_peer:
-        return 2 * every
-    rounds = max(1, round(swarm.bytes_per_peer / (full.bytes_per_peer / full.rounds_started)))
-    return max(every, steps // rounds)
+        return 2.0
+    rounds = max(1.0, swarm.bytes_per_peer / (full.bytes_per_peer / full.rounds_started))
+    return max(1.0, full.rounds_started / rounds)
 
 
 def _print_row(res, central, as_json: bool) -> None:

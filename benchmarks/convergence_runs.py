@@ -251,6 +251,8 @@ def _swarm_threads(cfg, steps: int, runs: list[Path]) -> None:
                              cfg.sync.orphan_grace_s)  # fmt: skip
         trainer.sync = SwarmSync(peer_cfg, net.store(me), net.transport(me), trainer.model, members)
         trainers.append(trainer)
+    for trainer in trainers:  # every peer sees the others before the first step, as a joiner would
+        trainer.sync.members.refresh()
     errors: list[BaseException] = []
 
     def train(trainer) -> None:
