@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import hivemind
+from hivemind.dht.routing import DHTID
 
 from swarm.net.dht_auth import SwarmKeyAuthorizer
 from swarm.net.identity import IdentityError, PeerIdentity
@@ -71,6 +72,11 @@ def start_dht(
             identity.write(identity_path)
         # a key made just now cannot be in use: skip hivemind's check, which asks the initial peers
         kwargs |= dict(identity_path=str(identity_path), check_if_identity_free=not fresh)
+        # the node's place in the DHT follows from its identity, as its peer id does: hivemind draws a new
+        # random one per start, and a peer restarted with its identity then sat in others' routing tables
+        # twice (old and new node id, one peer id), so a store reached it twice, the second copy was refused
+        # as not newer, and the whole store read as failed ("could not publish digest" every round)
+        kwargs["node_id"] = DHTID.generate(source=f"swarm-dht-node:{identity.peer_id}".encode())
         kwargs["record_validators"] = [identity.validator()]
         if swarm_key is not None:
             kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)

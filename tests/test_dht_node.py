@@ -1,0 +1,36 @@
+"""A DHT node started with an identity: the same place in the DHT after a restart (real hivemind nodes)."""
+
+import pytest
+
+from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.hivemind_transport import HivemindStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_peer_restarted_with_its_identity_does_not_make_others_stores_fail(tmp_path):
+    """A peer that comes back with its identity file (``--resume``) must not sit in others' routing tables
+    twice: a store would reach it twice, its second copy be refused as not newer, and hivemind then reports
+    the whole store as failed (seen: a joiner's every round digest, "could not publish digest")."""
+    boot = start_dht()
+    nodes = [boot]
+    try:
+        entry = visible_maddrs(boot)
+        other = start_dht(entry)
+        nodes.append(other)
+        first = start_dht(entry, identity_path=tmp_path / "peer.id")
+        store = HivemindStore(other)
+        assert store.put("t_records", [1.0], store.now() + 60, subkey=store.me, timeout=10)  # both know it
+        first.shutdown()
+        again = start_dht(entry, identity_path=tmp_path / "peer.id")  # the same peer id
+        nodes.append(again)
+        assert again.peer_id == first.peer_id
+        HivemindStore(again).get("t_records", timeout=10)  # the restarted node looks around: others learn it
+        results = [
+            store.put(f"t_digest_{i}", [float(i)], store.now() + 60, subkey=store.me, timeout=10)
+            for i in range(20)
+        ]
+        assert all(results), results
+    finally:
+        for node in nodes:
+            node.shutdown()
