@@ -68,3 +68,37 @@ def test_a_closed_member_is_gone_at_once_and_finishing_peers_claim_nothing(store
         assert a.me not in b.view.peers  # the withdrawal takes effect before the record would expire
     finally:
         b.close()
+
+
+class _Crashable:
+    """A peer's store that stops writing when the peer is 'killed' (its records are neither renewed nor
+    withdrawn, as after kill -9); reads go on."""
+
+    def __init__(self, store):
+        self.store, self.killed = store, False
+
+    def put(self, *args, **kwargs):
+        return False if self.killed else self.store.put(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_peer_that_stopped_publishing_is_silent_and_a_live_one_is_not(stores):
+    (store_a, me_a), (store_b, me_b) = stores
+    b_store = _Crashable(store_b)
+    a = Membership(store_a, me_a, "m3", TIMING, [0], 2, orphan_grace_s=60.0)
+    b = Membership(b_store, me_b, "m3", TIMING, [1], 2, orphan_grace_s=60.0)
+    try:
+        assert _wait(lambda: me_b in a.view.peers, 10)
+        time.sleep(4 * TIMING.heartbeat_s)
+        assert a.view.silent_for(me_b) <= 2.5 * TIMING.heartbeat_s, a.view.heard_at
+        assert a.view.silent_for("never-seen") == 0.0
+        b_store.killed = True
+        # its last record stays readable until it expires: only the absence of new ones says it died
+        assert _wait(lambda: a.view.silent_for(me_b) > TIMING.record_ttl_s, 10 * TIMING.heartbeat_s)
+        assert me_b in a.view.peers  # still in the view (it may be a late reader's miss), but silent
+        assert b.view.silent_for(me_a) <= 2.5 * TIMING.heartbeat_s, b.view.heard_at  # b still hears a
+    finally:
+        a.close()
+        b.close()

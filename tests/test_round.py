@@ -168,6 +168,25 @@ def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
     assert any("experts 0,1: partial round: no digest" in r for r in results["a"].record.rejected)
 
 
+@pytest.mark.parametrize("heartbeat", ["stopped", "live"])
+def test_a_silent_member_whose_heartbeat_stopped_is_not_awaited_until_the_deadline(heartbeat):
+    """A pair whose other member went silent: if its heartbeat stopped too (killed), the round is dropped as
+    soon as the view says so; if it still publishes heartbeats (slow), it is awaited until the deadline."""
+    peers = {"a": [0, 1], "b": [0, 1]}
+    swarm = Swarm(peers, faults=[Fault("silent", peer="b")])
+    now = time.monotonic()
+    last_heard = now - 10 * TIMING.record_ttl_s if heartbeat == "stopped" else now
+    view = dataclasses.replace(swarm.view, heard_at={"a": now, "b": last_heard}, read_at=now)
+    swarm.ctx["a"] = dataclasses.replace(swarm.ctx["a"], view_now=lambda: view)
+    rec = swarm.round({p: swarm.plan(p) for p in peers})["a"].record
+    assert [r.split(":")[0] for r in rec.rejected] == ["dense", "experts 0,1"], rec.rejected
+    if heartbeat == "stopped":
+        assert all("without a heartbeat since" in r for r in rec.rejected), rec.rejected
+        assert rec.phase_seconds["checks"] < TIMING.round_s / 3, rec.phase_seconds
+    else:
+        assert rec.phase_seconds["checks"] > TIMING.round_s / 2, rec.phase_seconds
+
+
 def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     swarm = Swarm(peers, faults=[Fault("partial", peer="b", round=1)])  # only b's result differs

@@ -38,11 +38,21 @@ from swarm.train.round_record import RoundRecord
 @dataclass(frozen=True)
 class MembershipView:
     """The swarm as of one heartbeat read. ``orphaned_since``: expert -> monotonic time since when it has
-    had no live holder."""
+    had no live holder; ``heard_at``: peer -> monotonic time at which a new heartbeat of it was first read;
+    ``read_at``: when the read behind this view was made."""
 
     peers: Mapping[str, Heartbeat] = field(default_factory=dict)
     holders: Mapping[int, frozenset[str]] = field(default_factory=dict)
     orphaned_since: Mapping[int, float] = field(default_factory=dict)
+    heard_at: Mapping[str, float] = field(default_factory=dict)
+    read_at: float = 0.0
+
+    def silent_for(self, peer: str) -> float:
+        """For how long ``peer`` had published no new heartbeat when this view was read; 0.0 for a peer
+        never heard of (nothing is known of it). On our own clock (another peer's may be off by any amount),
+        and up to our last successful read only: reads that fail (our DHT is slow) make nobody silent."""
+        heard = self.heard_at.get(peer)
+        return 0.0 if heard is None else max(0.0, self.read_at - heard)
 
     def partners(self, me: str) -> list[str]:
         """The other peers that may average with us now: training, or in their last round (a joiner has not
@@ -83,6 +93,7 @@ class Membership:
         self._last_step_time: float | None = None
         self._stop = threading.Event()
         self._seen: dict[str, tuple[Heartbeat, float]] = {}  # peer -> (its heartbeat, when last read)
+        self._heard: dict[str, tuple[float | None, float]] = {}  # peer -> (its sent_at, when first read)
         self._refresh_lock = threading.Lock()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
@@ -103,10 +114,14 @@ class Membership:
         now = time.monotonic()
         for peer, (hb, _) in records.items():
             self._seen[peer] = (hb, now)
+            # a dead peer's last record stays readable until it expires: only a new one says it lives
+            if peer not in self._heard or self._heard[peer][0] != hb.sent_at:
+                self._heard[peer] = (hb.sent_at, now)
         self._seen = {
             p: (hb, t) for p, (hb, t) in self._seen.items()
             if hb.state != "leaving" and now - t <= 2 * self.timing.record_ttl_s
         }  # fmt: skip
+        self._heard = {p: v for p, v in self._heard.items() if p in self._seen}
         beats = {p: (hb, 0.0) for p, (hb, _) in self._seen.items()}
         holders = expert_holders(beats, self.n_experts)
         before = self.view.orphaned_since
@@ -115,6 +130,8 @@ class Membership:
             MappingProxyType({p: hb for p, (hb, _) in self._seen.items()}),
             MappingProxyType({e: frozenset(who) for e, who in holders.items()}),
             MappingProxyType(orphaned),
+            MappingProxyType({p: t for p, (_, t) in self._heard.items()}),
+            now,
         )
 
     def wait_until_others_done(self, timeout: float) -> None:
@@ -173,7 +190,9 @@ class Membership:
         view = self.view
         holders = {e: who | {self.me} if e in came else who for e, who in view.holders.items()}
         orphaned = {e: t for e, t in view.orphaned_since.items() if e not in came}
-        self.view = MembershipView(view.peers, MappingProxyType(holders), MappingProxyType(orphaned))
+        self.view = replace(
+            view, holders=MappingProxyType(holders), orphaned_since=MappingProxyType(orphaned)
+        )
         self._publish()
 
     def _maybe_claim(self) -> None:

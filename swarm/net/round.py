@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,9 @@ class RoundContext:
     server: ExpertServer
     downloads: ExpertDownloads
     payloads: Payloads | None = None  # None: built from ``sync`` (the codec and its error feedback)
+    # the swarm as the heartbeat thread sees it now (None: only the view a round starts with), so that a
+    # round waiting for a member's digest can tell a member that died from one that is slow
+    view_now: Callable[[], MembershipView] | None = None
 
     def __post_init__(self) -> None:
         if self.payloads is None:
@@ -275,6 +278,14 @@ def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: Members
     return not _weighted(ctx) and spec.items == (DENSE,) and size == 2 and _expected(spec, view, ctx.me) >= 3
 
 
+def _gone(ctx: RoundContext) -> Callable[[str], bool]:
+    """Whether a member has published no heartbeat for a record's lifetime: it died or lost the network
+    (a live peer publishes every period), and its digest will not come."""
+    if ctx.view_now is None:
+        return lambda peer: False
+    return lambda peer: ctx.view_now().silent_for(peer) > ctx.timing.record_ttl_s
+
+
 def _weighted(ctx: RoundContext) -> bool:
     """Whether members are weighted by their tokens (the plain mean) or all equally (a robust rule)."""
     return ctx.sync.aggregation == "mean"
@@ -355,7 +366,7 @@ def _confirmed(
     floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
     ok, why = await_digests(
         ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
-        grace=ctx.timing.quorum_grace_s,
+        grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
     )  # fmt: skip
     if not ok:
         return None, why

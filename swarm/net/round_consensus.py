@@ -9,6 +9,8 @@ disagree: a member that died mid-round left its share untouched, so the survivor
 agree), and in a group of two the one left alone waits for a digest that never comes; either way the round
 is dropped by everyone. A member that withholds its digest, or publishes one of a result of its own (a
 rogue that sent NaN ends with NaN), no longer vetoes a round of three or more: the majority applies it.
+A silent member whose heartbeat has stopped too (``gone``: killed, or its machine lost) cannot side with
+anyone any more: the members do not wait for it until the round's deadline.
 
 The digest is a few fixed random projections of each segment of each tensor: insensitive to last-bit
 rounding (members add deltas in a different order), sensitive to any part left unaveraged.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -122,10 +124,12 @@ def await_digests(
     floor: Sequence[float] | None = None,
     poll: float = 0.25,
     grace: float = QUORUM_GRACE_S,
+    gone: Callable[[str], bool] = lambda peer: False,
 ) -> tuple[bool, str]:
     """Wait until every other member's digest is in and agrees with ours (within the codec's
     ``tolerance``), or a majority of at least two members agree and the others differ or stayed silent
-    ``grace`` seconds since. Returns (ok, reason); a reason with ok says who was out-voted or missing."""
+    ``grace`` seconds since. Returns (ok, reason); a reason with ok says who was out-voted or missing.
+    ``gone(peer)``: whether a member has stopped publishing heartbeats (its digest will never come)."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
     quorum_since = dissent_since = None
@@ -140,11 +144,14 @@ def await_digests(
         missing = others - set(seen)
         if not differ and not missing:
             return True, ""
+        dead = {p for p in missing if gone(p)}
         agreeing, n = 1 + len(seen) - len(differ), len(others) + 1
-        if not _majority(agreeing + len(missing), n):  # out-voted, or no majority can form any more
+        if not _majority(agreeing + len(missing - dead), n):  # out-voted, or no majority can form any more
             if differ:
                 return False, _differs(differ, seen, len(missing), mine)
-            return False, f"partial round: no digest from {len(missing)} member(s)"
+            return False, f"partial round: no digest from {len(missing)} member(s)" + (
+                f" ({len(dead)} without a heartbeat since)" if dead else ""
+            )
         if differ and not _majority(agreeing, n):
             # a member that dropped out mid-round leaves the others' results differing and its own digest
             # missing: waiting for it to side with us past the grace period would stall the round
@@ -153,7 +160,7 @@ def await_digests(
                 return False, _differs(differ, seen, len(missing), mine)
         if _majority(agreeing, n):
             quorum_since = time.monotonic() if quorum_since is None else quorum_since
-            if not missing or time.monotonic() - quorum_since >= min(
+            if not missing - dead or time.monotonic() - quorum_since >= min(
                 grace, max(0.0, deadline - quorum_since)
             ):
                 why = [f"{len(differ)} differ" if differ else "", f"{len(missing)} silent" if missing else ""]

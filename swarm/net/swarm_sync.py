@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -51,7 +52,9 @@ class SwarmSync:
         self.transport, self.last_round_at, self.wire_meter = transport, last_round_at, wire_meter
         self.n_experts, self.device = cfg.model.n_experts, model.embed.weight.device
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
-        self.ctx = RoundContext.build(cfg, store, transport, self.timing)
+        self.ctx = replace(
+            RoundContext.build(cfg, store, transport, self.timing), view_now=lambda: members.view
+        )
         self.ctx.server.update(
             {expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False
         )
