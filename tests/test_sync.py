@@ -73,13 +73,39 @@ def test_apply_average_keeps_local_progress():
     assert torch.allclose(params["w"], torch.tensor([2.0, 1.0]))
 
 
-def test_nesterov_outer_momentum():
+def test_plain_averaging_keeps_no_state_between_rounds():
+    step = OuterStep()
+    p = {"w": torch.zeros(2)}
+    step.apply(p, {"w": torch.zeros(2)}, {"w": torch.ones(2)})
+    assert step.plain and not step.anchors and not step.buffers and torch.equal(p["w"], torch.ones(2))
+
+
+def test_the_outer_step_is_nesterov_sgd_on_the_swarms_progress_since_the_last_agreed_weights():
+    """DiLoCo: g = anchor - average, m = mu m + g, anchor -= alpha (g + mu m); the live weights keep the steps
+    taken since the snapshot. Hand-computed with alpha 0.5, mu 0.5."""
+    step = OuterStep(alpha=0.5, momentum=0.5)
+    p = {"w": torch.tensor([1.0])}
+    # round 1: the anchor is the first snapshot (1); the swarm's average is 3: g = -2, m = -2, update -3
+    step.apply(p, {"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])})
+    assert p["w"].item() == pytest.approx(2.5)  # anchor 1 + 0.5 * 3
+    # local steps move us to 3.5; round 2 averages to 4.5 and we took 0.25 more steps meanwhile:
+    # g = 2.5 - 4.5 = -2, m = -1 - 2 = -3, update = -2 - 1.5 = -3.5, anchor = 2.5 + 1.75 = 4.25
+    p["w"] += 1.25
+    step.apply(p, {"w": torch.tensor([3.5])}, {"w": torch.tensor([4.5])})
+    assert step.anchors["w"].item() == pytest.approx(4.25)
+    assert p["w"].item() == pytest.approx(4.25 + 0.25)
+
+
+def test_a_sole_holders_step_acts_on_its_own_progress_and_a_dropped_round_is_covered_by_the_next():
     step = OuterStep(alpha=1.0, momentum=0.5)
-    p = {"w": torch.zeros(1)}
-    step.apply(p, {"w": torch.zeros(1)}, {"w": torch.ones(1)})  # m = 1, update = 1 + 0.5*1
-    assert p["w"].item() == pytest.approx(1.5)
-    step.apply(p, {"w": torch.zeros(1)}, {"w": torch.ones(1)})  # m = 1.5, update = 1 + 0.75
-    assert p["w"].item() == pytest.approx(3.25)
+    p = {"e": torch.tensor([0.0])}
+    step.apply(p, {"e": torch.tensor([0.0])}, {"e": torch.tensor([0.0])})  # nothing to average: a = s
+    assert p["e"].item() == 0.0
+    p["e"] += 2.0  # two rounds of local progress, the first of them dropped (never applied)
+    step.apply(p, {"e": p["e"].clone()}, {"e": p["e"].clone()})  # g = -2, m = -2, update = -3
+    assert p["e"].item() == pytest.approx(3.0)
+    step.keep({"dense"})  # the expert was given up: its state goes
+    assert not step.anchors and not step.buffers
 
 
 def test_merge_matches_direct_formula():

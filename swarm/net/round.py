@@ -211,6 +211,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     for e in plan.experts:
         if expert_item(e) in averaged:
             result.experts[e] = (plan.experts[e], averaged[expert_item(e)])
+        elif e in plan.sole:  # nobody else trains it: its average is its snapshot (an outer step may use it)
+            result.experts[e] = (plan.experts[e], plan.experts[e])
 
     got: dict[int, list[torch.Tensor]] = {}
     # after a last round, copies are fetched once the holders have settled them (last_round)
@@ -229,7 +231,12 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.bytes_sent = sent
     rec.bytes_recv = sent + ctx.downloads.received  # downloads as they came (fp16 copies, encoded changes)
     held = [*plan.dense, *(t for ts in plan.experts.values() for t in ts)]  # snapshots, then results
-    held += [t for pair in [result.dense, *result.experts.values()] if pair for t in pair[1]]
+    held += [
+        t
+        for pair in [result.dense, *result.experts.values()]
+        if pair and pair[1] is not pair[0]
+        for t in pair[1]
+    ]
     rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
     rec.sync_seconds = round(time.monotonic() - t0, 3)
     return result

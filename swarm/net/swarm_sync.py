@@ -33,6 +33,8 @@ from swarm.sync import OuterStep
 from swarm.train.round_record import RoundRecord
 from swarm.train.sync_hook import StepReport, SyncReply
 
+PLAIN = OuterStep()  # keeps no state: one for every peer
+
 
 class SwarmSync:
     """See the module docstring. ``last_round_at``: the wall time at which all peers of a run that stop
@@ -127,8 +129,7 @@ class SwarmSync:
             e: self.copy_steps.get(e, self._step) for e in range(self.n_experts) if e not in new
         }
         self.copies.update(self.copy_steps)
-        keep = {DENSE} | {expert_item(e) for e in new}
-        self.outer.buffers = {k: v for k, v in self.outer.buffers.items() if k.split(".")[0] in keep}
+        self.outer.keep({DENSE} | {expert_item(e) for e in new})
         self.ctx.server.update({expert_item(e): expert_tensors(model, e) for e in new}, 0, False)
         self.ctx.server.keep([expert_item(e) for e in new])
         self.members.set_experts(new)
@@ -205,13 +206,17 @@ class SwarmSync:
         return records
 
     def _apply(self, model: MoETransformer, result: RoundResult) -> RoundRecord:
-        applied = []
+        # the last round is a plain average, whatever the outer optimizer: replicas must agree when we stop
+        # (momentum buffers differ between peers that joined at different times)
+        outer, applied = (PLAIN if result.record.last else self.outer), []
         if result.dense is not None:
-            self._outer(DENSE, dense_tensors(model), *result.dense)
+            self._outer(outer, DENSE, dense_tensors(model), *result.dense)
             applied.append(DENSE)
         for e, (snap, avg) in result.experts.items():
-            if e in model.local_experts:
-                self._outer(expert_item(e), expert_tensors(model, e), snap, avg)
+            if e in model.local_experts and not (
+                avg is snap and outer.plain
+            ):  # a sole holder's, plain: no-op
+                self._outer(outer, expert_item(e), expert_tensors(model, e), snap, avg)
                 applied.append(expert_item(e))
         with self.copies.lock:
             for e, tensors in result.downloads.items():
@@ -230,9 +235,12 @@ class SwarmSync:
         self.copy_steps |= {e: s for e, s in steps.items() if e in self.copy_steps}
         self.copies.update(self.copy_steps)
 
-    def _outer(self, name: str, params: list[torch.Tensor], snap: list[torch.Tensor], avg) -> None:
+    @staticmethod
+    def _outer(
+        outer: OuterStep, name: str, params: list[torch.Tensor], snap: list[torch.Tensor], avg
+    ) -> None:
         keys = [f"{name}.{i}" for i in range(len(params))]
-        self.outer.apply(*(dict(zip(keys, ts, strict=True)) for ts in (params, snap, avg)))
+        outer.apply(*(dict(zip(keys, ts, strict=True)) for ts in (params, snap, avg)))
 
     def close(self) -> None:
         """Leave now: withdraw, give a round in flight a moment, close every group. A round still running
