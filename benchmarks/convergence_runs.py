@@ -155,6 +155,46 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
     return RunResult("central", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 
+def run_every_step(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
+    """The ceiling of parameter averaging: ``peers`` copies of our model, each training every expert with
+    its own AdamW on its own windows (the swarm's batches), their weights averaged after every optimizer
+    step, in this process (no network, no waiting). A swarm averages every few steps and can only do worse."""
+    from swarm.data import WindowSampler
+    from swarm.model import MoETransformer
+    from swarm.train.optimizer import build_optimizer
+    from swarm.train.schedule import lr_at
+    from swarm.train.trainer import open_dataset
+
+    t0, t, ds = time.monotonic(), cfg.train, open_dataset(cfg, progress=False)
+    models, opts, samplers = [], [], []
+    for i in range(peers):
+        m = MoETransformer(cfg.model, list(range(cfg.model.n_experts)))
+        m.init_weights(t.seed)
+        models.append(m)
+        opts.append(build_optimizer(m, t))
+        samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
+    tokens, curve = 0, [(0, heldout_loss(hf_model_from(cfg, models[0].canonical_state_dict()), cfg))]
+    for step in range(steps):
+        for m, opt, sampler in zip(models, opts, samplers, strict=True):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, t)
+            batch = sampler.next_batch()
+            m(batch[:, :-1], targets=batch[:, 1:]).loss.backward()
+            if t.grad_clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for same in zip(*(m.parameters() for m in models), strict=True):
+                mean = torch.stack([p for p in same]).mean(0)
+                for p in same:
+                    p.copy_(mean)
+        tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append((tokens, heldout_loss(hf_model_from(cfg, models[0].canonical_state_dict()), cfg)))
+    return RunResult("every_step", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+
+
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,
               transport: str) -> RunResult:  # fmt: skip
     """A swarm of ``peers`` peers, ``steps`` steps each, then its last round: real processes or threads."""

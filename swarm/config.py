@@ -200,6 +200,8 @@ class SyncConfig:
     # (faster peers take more steps, which the token weights count), instead of every sync_every steps:
     # peers whose step counts drift apart still meet within one step's time, and form whole groups
     sync_every_s: float = 0.0
+    # the outer learning rate: 1 with no momentum is plain averaging; above 1 the swarm's progress over a round
+    # is extrapolated (averaging N peers' Adam steps moves noisy coordinates less than Adam on N batches)
     sync_alpha: float = 1.0
     outer_momentum: float = 0.0  # Nesterov outer momentum on (average - snapshot); 0 disables
     merge_warmup_steps: int = 0
@@ -231,7 +233,7 @@ class SyncConfig:
         _check(
             self.sync_every_s == 0 or self.sync_every_s >= 1, "sync.sync_every_s", "must be 0 (off) or >= 1"
         )
-        _check(0 < self.sync_alpha <= 1, "sync.sync_alpha", "must be in (0, 1]")
+        _check(0 < self.sync_alpha <= 3, "sync.sync_alpha", "must be in (0, 3]")
         _check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")
         _check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")
         _check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")

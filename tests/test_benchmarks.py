@@ -162,6 +162,7 @@ def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
     row is trained, judged by the one evaluator, printed, plotted and saved."""
     import yaml
 
+    from benchmarks.convergence import EXTRA_ROWS, ROWS
     from tests.conftest import TINY_CONFIG
 
     cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
@@ -172,21 +173,22 @@ def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
-         str(tiny_data), "--transport", "local", "--steps", "12", "--peers", "2", "--json", "--out", str(out)],
+         str(tiny_data), "--transport", "local", "--steps", "12", "--peers", "2", "--json", "--out", str(out),
+         "--rows", *ROWS, *EXTRA_ROWS],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    from benchmarks.convergence import ROWS
-
-    assert [r["row"] for r in rows] == list(ROWS)
+    assert [r["row"] for r in rows] == [*ROWS, *EXTRA_ROWS]
     central = rows[0]
     assert central["ratio_to_central"] == 1.0 and central["bytes_per_peer"] == 0
     for r in rows:
         assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r  # below ln(512) = 6.24 + margin
         assert r["tokens"] == 12 * 2 * cfg["data"]["micro_batch"] * cfg["data"]["seq_len"], r
-    swarms = {r["row"]: r for r in rows[1:]}
+    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", "every_step")}
     assert all(r["bytes_per_peer"] > 0 and r["rounds_applied"] >= 1 for r in swarms.values()), swarms
     saved = json.loads((out / "convergence.json").read_text())
-    assert set(saved["rows"]) == set(ROWS) and all(saved["rows"][k]["curve"] for k in ROWS)
+    assert set(saved["rows"]) == {*ROWS, *EXTRA_ROWS} and all(
+        saved["rows"][k]["curve"] for k in saved["rows"]
+    )
     assert (out / "convergence.png").stat().st_size > 10_000

@@ -27,8 +27,8 @@ class OuterStep:
     """
 
     def __init__(self, alpha: float = 1.0, momentum: float = 0.0) -> None:
-        if not 0 < alpha <= 1 or not 0 <= momentum < 1:
-            raise ValueError("alpha must be in (0, 1] and momentum in [0, 1)")
+        if not 0 < alpha <= 3 or not 0 <= momentum < 1:
+            raise ValueError("alpha must be in (0, 3] and momentum in [0, 1)")
         self.alpha, self.momentum = alpha, momentum
         self.anchors: dict[str, torch.Tensor] = {}  # host fp32: the weights the last applied round agreed on
         self.buffers: dict[str, torch.Tensor] = {}  # host fp32 momentum
