@@ -187,6 +187,18 @@ def test_a_silent_member_whose_heartbeat_stopped_is_not_awaited_until_the_deadli
         assert rec.phase_seconds["checks"] > TIMING.round_s / 2, rec.phase_seconds
 
 
+def test_downloads_run_while_the_groups_average():
+    """a's dense all-reduce comes 1 s late and every download from b takes 1 s: the round takes the longer
+    of the two, not their sum, and the downloads are in."""
+    peers = {"a": [0, 1], "b": [2, 3]}
+    swarm = Swarm(peers, faults=[Fault("delay", peer="a", seconds=1.0), Fault("slow", peer="b", seconds=1.0)])
+    result = swarm.round({p: swarm.plan(p) for p in peers})["a"]
+    rec = result.record
+    assert sorted(result.downloads) == [2, 3] and result.dense is not None, rec
+    assert rec.phase_seconds["downloads"] < 0.5, rec.phase_seconds
+    assert rec.sync_seconds < 1.6, rec.phase_seconds  # one second and a margin: not the two in a row
+
+
 def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     swarm = Swarm(peers, faults=[Fault("partial", peer="b", round=1)])  # only b's result differs

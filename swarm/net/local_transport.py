@@ -19,6 +19,7 @@ the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of 
 - ``delay``: the peer's outcome comes ``seconds`` late (past its timeout, it is abandoned);
 - ``silent``: the peer publishes no round digest (in any round: give no ``round``);
 - ``dead``: nobody can download from the peer;
+- ``slow``: a download from the peer takes ``seconds`` (a slow link);
 - ``garble``: what the peer serves comes with malformed metadata.
 
 Following torchft's fault-injecting process group: tests of the protocol rules run in seconds, with no
@@ -43,10 +44,10 @@ from swarm.sync.robust_mean import AggregationRule
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # drop | partial | nan | scale | delay | silent | dead | garble
+    kind: str  # drop | partial | nan | scale | delay | silent | dead | slow | garble
     peer: str
     round: int | None = None  # the round index in the members' info; None: every round
-    seconds: float = 0.0  # delay
+    seconds: float = 0.0  # delay, slow
     factor: float = 1.0  # scale
 
 
@@ -257,6 +258,9 @@ class LocalTransport:
     ) -> Served | None:
         if self.net.fault("dead", peer):
             return None
+        slow = self.net.fault("slow", peer)
+        if slow is not None:
+            time.sleep(min(slow.seconds, timeout))
         garbled = self.net.fault("garble", peer)
         with self.net.lock:
             served, lazy = self.net.served.get((peer, name)), self.net.lazy.get((peer, name))

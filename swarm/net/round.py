@@ -11,9 +11,9 @@ its tokens; with a robust rule every member equally, each one's pull bounded (``
 inside hivemind's all-reduce: ``ruled_allreduce``). Every outcome is
 verified before it is used: each member's round info is well formed and of the same kind (last or
 ordinary), the weights that came back are the mean of those the members claimed, all members ended with
-the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Then non-local experts
-are downloaded from their holders (not in a last round: ``last_round`` fetches the settled copies) and
-the merge warm-up runs. Nothing here touches the model: the
+the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Meanwhile non-local
+experts are downloaded from their holders (``round_downloads``; not in a last round: ``last_round``
+fetches the settled copies); then the merge warm-up runs (``round_merge``). Nothing here touches the model: the
 training thread applies the result (theta <- theta + alpha * (a - s)).
 """
 
@@ -29,17 +29,19 @@ import torch
 from swarm.config import RunConfig, SyncConfig
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
-from swarm.net.expert_tensors import host_float, nbytes, per_layer
+from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
+from swarm.net.round_downloads import RoundDownloads
 from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
+from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads, SentPayload
 from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
 from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
-from swarm.sync import RejectedTensor, check_tensors, merge_alpha_at, merge_experts, should_merge
+from swarm.sync import RejectedTensor, check_tensors
 from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
 
@@ -132,6 +134,14 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
+    fetch = None
+    # after a last round, copies are fetched once the holders have settled them (last_round)
+    if not plan.last and plan.refresh:
+        holders = {
+            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
+        }
+        fetch = RoundDownloads.start(ctx.downloads, holders, plan.frozen, plan.step, deadline)
+
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     started = []
     for spec, group in plan.groups:
@@ -215,17 +225,13 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             result.experts[e] = (plan.experts[e], plan.experts[e])
 
     got: dict[int, list[torch.Tensor]] = {}
-    # after a last round, copies are fetched once the holders have settled them (last_round)
-    if not plan.last and plan.refresh:
-        holders = {
-            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
-        }
-        got, rejected, failures = ctx.downloads.fetch(holders, plan.frozen, plan.step, False, deadline)
+    if fetch is not None:
+        got, rejected, failures = fetch.wait()
         result.downloads, rec.download_failures = got, failures
-        result.download_steps = dict(ctx.downloads.steps)
+        result.download_steps = fetch.steps
         rec.rejected += rejected
-        phases.end("downloads")
-    _merge(result, plan, ctx.sync, ctx.n_experts)
+        phases.end("downloads")  # what is left of them once the groups are done
+    merge_round(result, plan, ctx.sync, ctx.n_experts)
     phases.end("merge")
 
     rec.bytes_sent = sent
@@ -386,24 +392,3 @@ def _confirmed(
         return None, str(e)
     ctx.payloads.commit(spec, payload, averages, key)
     return averages, ""
-
-
-def _merge(result: RoundResult, plan: RoundPlan, sc: SyncConfig, n_experts: int) -> None:
-    local = sorted(plan.experts)
-    if not local or not should_merge(plan.step, plan.index, sc.merge_warmup_steps, sc.merge_every):
-        return
-    alpha = merge_alpha_at(plan.step, sc.merge_alpha, sc.merge_warmup_steps)
-    fresh = {e: (result.experts[e][1] if e in result.experts else plan.experts[e]) for e in local}
-    fresh |= {e: result.downloads.get(e, plan.frozen[e]) for e in plan.frozen}
-    layers = [per_layer(fresh[e]) for e in range(n_experts)]
-    merged: dict[int, list[torch.Tensor]] = {e: [] for e in local}
-    for li in range(len(layers[0])):
-        # one layer at a time in host fp32: frozen copies may be bf16 on a GPU
-        gu = torch.stack([host_float(layers[e][li][0]) for e in range(n_experts)])
-        dn = torch.stack([host_float(layers[e][li][1]) for e in range(n_experts)])
-        mgu, mdn = merge_experts(gu, dn, local, alpha, sc.merge_topk)
-        for row, e in enumerate(local):
-            merged[e] += [mgu[row], mdn[row]]
-    for e in local:
-        result.experts[e] = (plan.experts[e], merged[e])
-    result.record.merge_alpha = alpha

@@ -36,7 +36,8 @@ class RoundRecord:
     sync_seconds: float = 0.0
     # where the round's time went: "matchmaking" (until the first group formed: waiting for its members),
     # "allreduce" (until every group's outcome is in; "groups" for both when no group formed), "checks"
-    # (publishing our digests, awaiting the others', tensor checks), "downloads" (non-local experts),
+    # (publishing our digests, awaiting the others', tensor checks), "downloads" (the wait for the non-local
+    # experts' downloads after that: they run from the round's start, alongside the groups),
     # "merge"
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wire_total: int | None = None  # our p2pd's count (both directions) at the round's end, since we started

@@ -1,0 +1,69 @@
+"""A round's downloads of non-local experts, run while its groups average.
+
+    fetch = RoundDownloads.start(ctx.downloads, holders, plan.frozen, plan.step, deadline)
+    ...                                             # the groups' all-reduce and checks meanwhile
+    got, rejected, failures = fetch.wait()          # by the round's deadline
+
+The copies a peer downloads do not depend on its own groups' results (a holder serves what its own round
+gives it), so they need not wait for them: started with the round, the download phase is no longer added to
+the all-reduce's time, and a round takes the longer of the two instead of their sum. The thread ends by the
+deadline that ``ExpertDownloads.fetch`` keeps; the model's copies it reads do not change during a round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from swarm.net.expert_download import ExpertDownloads
+
+JOIN_MARGIN_S = 5.0  # past the deadline: a fetch that overran is given up (every wait inside has a bound)
+
+
+class RoundDownloads:
+    """See the module docstring."""
+
+    def __init__(self, downloads: ExpertDownloads, deadline: float) -> None:
+        self.downloads, self.deadline = downloads, deadline
+        self._result: tuple[dict[int, list[torch.Tensor]], list[str], list[str]] | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.steps: dict[int, int] = {}  # of the copies fetched: the step each is from
+
+    @classmethod
+    def start(
+        cls,
+        downloads: ExpertDownloads,
+        holders: Mapping[int, Sequence[tuple[str, int]]],
+        mine: Mapping[int, list[torch.Tensor]],
+        step: int,
+        deadline: float,
+    ) -> RoundDownloads:
+        self = cls(downloads, deadline)
+        self._thread = threading.Thread(
+            target=self._run, args=(holders, mine, step), name="swarm-round-downloads", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _run(self, holders, mine, step: int) -> None:
+        try:
+            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline)
+            self.steps = dict(self.downloads.steps)
+        except Exception as e:  # reported by wait(): a download must not end the round's thread
+            self._error = e
+
+    def wait(self) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
+        """(copies, rejected, failures), once the fetch has ended (at most the deadline plus a margin)."""
+        self._thread.join(timeout=max(0.0, self.deadline - time.monotonic()) + JOIN_MARGIN_S)
+        if self._result is not None:
+            return self._result
+        why = (
+            f"{type(self._error).__name__}: {self._error}"
+            if self._error
+            else "still running past the deadline"
+        )
+        return {}, [], [f"downloads: {why}"[:200]]
