@@ -21,6 +21,7 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
     diloco_bytes   the same, rounds spaced so that it moves as many bytes per peer as the swarm
     every_step     (only when asked for) the ceiling of parameter averaging: the peers' batches and AdamW in
                    one process, every expert trained by every peer, weights averaged after every step
+                   (``--average-every N``: every N steps, still synchronously, as a swarm that waited)
 
 A swarm row costs about 70 s of start-up, last round and evaluation plus 1.4 s per step on 2 cores (four
 peers of the demo shape share them), the centralized row 1.6 s per step: 140 steps (the default) keep every
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
+    ap.add_argument("--average-every", type=int, default=1, help="the every_step row's interval (steps)")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
     ap.add_argument("--json", action="store_true")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "central":
                 res = run_central(cfg, steps, args.peers, eval_every=max(1, steps // 8))
             elif name == "every_step":
-                res = run_every_step(cfg, steps, args.peers, eval_every=max(1, steps // 8))
+                res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every)
             else:
                 if name == "diloco_bytes":
                     diloco_scale = _scale_for_equal_bytes(results)

@@ -155,10 +155,11 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
     return RunResult("central", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 
-def run_every_step(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
+def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1) -> RunResult:
     """The ceiling of parameter averaging: ``peers`` copies of our model, each training every expert with
     its own AdamW on its own windows (the swarm's batches), their weights averaged after every optimizer
-    step, in this process (no network, no waiting). A swarm averages every few steps and can only do worse."""
+    step (``every``: every that many steps), in this process (no network, no waiting, no stale results).
+    A swarm that averages every few steps, while it trains on, can only do worse."""
     from swarm.data import WindowSampler
     from swarm.model import MoETransformer
     from swarm.train.optimizer import build_optimizer
@@ -184,15 +185,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for same in zip(*(m.parameters() for m in models), strict=True):
-                mean = torch.stack([p for p in same]).mean(0)
-                for p in same:
-                    p.copy_(mean)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            with torch.no_grad():
+                for same in zip(*(m.parameters() for m in models), strict=True):
+                    mean = torch.stack([p for p in same]).mean(0)
+                    for p in same:
+                        p.copy_(mean)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, heldout_loss(hf_model_from(cfg, models[0].canonical_state_dict()), cfg)))
-    return RunResult("every_step", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+    name = "every_step" if every == 1 else f"every_{every}_steps"
+    return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,
