@@ -4,17 +4,20 @@ rule bounds a rogue member part by part."""
 import pytest
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
 from swarm.net.dht_node import start_dht, visible_maddrs
 from swarm.net.hivemind_transport import HivemindTransport
+from swarm.net.ruled_allreduce import RuledAllReduceRunner
 from swarm.net.timing import Timing
 from swarm.sync.robust_mean import aggregation_rule, centered_clip
 
 pytestmark = pytest.mark.timeout(180)
-# generous part timeouts: on two busy cores a part that arrives late leaves a partial all-reduce (which
-# hivemind reports as success, and which rounds catch by their digests), and this test compares values
-TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=5.0,
+# generous part timeouts: on two busy cores a part that arrives late leaves a partial all-reduce, which the
+# transport reports as a failure; matchmaking longer than a request, as hivemind requires (a shorter one can
+# leave a member out of a group the others began: CI saw a sender missing from every part)
+TIMING = Timing(matchmaking_s=8.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=4.0,
                 final_agreement_s=5.0)  # fmt: skip
 NUMEL = 300_000  # three parts of hivemind's 512 KiB: every member reduces some of it
 
@@ -101,3 +104,29 @@ def test_a_stated_weight_is_ignored_by_the_mean(dhts):
     for out in outcomes:
         assert out.ok, out.reason
         assert torch.allclose(out.tensors[0], torch.full((NUMEL,), 3.0))  # (0 + 6 + 3) / 3, not ~6 by weight
+
+
+def test_a_member_that_does_not_reduce_its_share_leaves_the_others_a_reported_failure(dhts, monkeypatch):
+    """hivemind reports such a round as a success, with that member's share of every other member's tensors
+    left at their own values; the transport reports it as a failure."""
+    sent = _members("scaled")
+    honest = [HivemindTransport(d, TIMING).open("t_refuse", sent[0]) for d in (dhts[0], dhts[2])]
+
+    async def refuse(self, stream, context):  # sends its own parts to the others, reduces nothing
+        yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+    with monkeypatch.context() as patch:  # the averager's process is forked with the patched class
+        patch.setattr(RuledAllReduceRunner, "rpc_aggregate_part", refuse)
+        rogue = HivemindTransport(dhts[1], TIMING).open("t_refuse", sent[0])
+    groups = [honest[0], rogue, honest[1]]
+    try:
+        handles = [
+            g.start(iter(t), {}, matchmaking_s=20, expected=3) for g, t in zip(groups, sent, strict=True)
+        ]
+        outcomes = [groups[i].outcome(handles[i], timeout=40) for i in (0, 2)]
+    finally:
+        for g in groups:
+            g.close()
+    for out in outcomes:
+        assert not out.ok
+        assert "partial all-reduce" in out.reason

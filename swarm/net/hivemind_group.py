@@ -7,7 +7,8 @@
 
 Peers that use the same name are matched by hivemind into one group. Members average with equal weight
 (the weights travel inside the tensors). hivemind reports success for partially averaged tensors and
-trusts every sender (NOTES.md): the round verifies every outcome before using it. The served copy is held
+trusts every sender (NOTES.md): a member whose tensors came back partly unaveraged gets a failed outcome
+(``ruled_allreduce.partial_allreduce``), and the round verifies every other outcome before using it. The served copy is held
 apart from the averaging buffer, so a download never sees a half-averaged tensor. With a swarm key
 (``start_dht(swarm_key=...)``), every member's info carries its member token, and a group with a member
 that has none is refused by every other member before its tensors are used (``ServingAverager`` already

@@ -58,6 +58,19 @@ class RuledAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, rule: AggregationRule | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
+        # the base's reducer is never used: finished now, it does not report 0% received when collected
+        self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = RuledPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), rule
         )
+
+
+def partial_allreduce(runner: AllReduceRunner) -> str:
+    """Why the all-reduce that ``runner`` ran left this member's tensors partly at its own values ('' if it
+    did not): a member that was to reduce a share of them failed. hivemind reports that as success, and no
+    other member holds those values. (A sender that failed at a reducer is left out of that reducer's share
+    for every member alike: a result they still agree on, which the round's digests judge.)"""
+    container = runner.tensor_part_container
+    if container.failed_size:
+        return f"{container.failed_size} of {container.total_size} values not averaged"
+    return ""

@@ -18,14 +18,14 @@ from __future__ import annotations
 from typing import Any, AsyncIterator  # noqa: UP035
 
 import hivemind
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.net.dht_node import as_hivemind_child
-from swarm.net.ruled_allreduce import RuledAllReduceRunner
+from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
@@ -77,6 +77,9 @@ class ServingAverager(hivemind.DecentralizedAverager):
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        missing = partial_allreduce(runner)
+        if missing:  # hivemind would report success with some parts left at our own values
+            raise AllreduceException(f"partial all-reduce: {missing}")
 
     def get_current_state(self):
         lock = getattr(self, "serve_lock", None)
