@@ -136,7 +136,7 @@ def test_bf16_autocast_training_tracks_fp32(device):
     for a, b in zip(fp32, bf16, strict=True):
         assert abs(a - b) <= 0.02 * a, (fp32, bf16)
     for name, w0 in init.items():
-        d32, d16 = w32[name] - w0, w16[name] - w0
+        d32, d16 = w32[name].cpu() - w0, w16[name].cpu() - w0  # a CUDA model's state is on the device
         assert (d16 - d32).norm() <= 0.25 * d32.norm() + 1e-6, name
 
 
