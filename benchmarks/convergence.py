@@ -1,6 +1,6 @@
 """Is a model trained by the swarm as good as one trained centrally on the same tokens?
 
-    python benchmarks/convergence.py                       # docs-corpus, demo shape, every row (~38 min)
+    python benchmarks/convergence.py                       # docs-corpus, demo shape, every row (~25 min)
     python benchmarks/convergence.py --quick               # 60 steps; central, swarm, no_merge, diloco_tokens
     python benchmarks/convergence.py --corpus stdlib --rows central swarm nesterov --json
     python benchmarks/convergence.py --set model.d_model=256 --steps 400 --out runs/conv
@@ -23,9 +23,9 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
                    one process, every expert trained by every peer, weights averaged after every step
                    (``--average-every N``: every N steps, still synchronously, as a swarm that waited)
 
-A swarm row costs about 70 s of start-up, last round and evaluation plus 1.4 s per step on 2 cores (four
-peers of the demo shape share them), the centralized row 1.6 s per step: 140 steps (the default) keep every
-row within 40 minutes.
+On 2 cores (four peers of the demo shape share them) a row of 140 steps (the default) took 2 to 3 minutes
+(central 117 s, swarm rows 124 to 180 s on the docs corpus, 2026-11-26): every row in about 25 minutes. Runs
+of 250 steps took about 7 minutes a row in an earlier series.
 
 Printed: final validation loss, its ratio to central, bytes per peer (the round records' count, both
 directions), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
@@ -138,13 +138,14 @@ def _scale_for_equal_bytes(results: dict) -> float:
 
 
 def _print_row(res, central, as_json: bool) -> None:
-    ratio = res.val_loss / central.val_loss if central else float("nan")
+    ratio = res.val_loss / central.val_loss if central else None  # without the central row: null, not NaN
     if as_json:
         print(json.dumps({"row": res.name, "val_loss": res.val_loss, "ratio_to_central": ratio,
                           "bytes_per_peer": res.bytes_per_peer, "wall_s": res.wall_s, "tokens": res.tokens,
                           "rounds_applied": res.rounds_applied}), flush=True)  # fmt: skip
         return
-    print(f"{res.name:>14}: val loss {res.val_loss:.4f}  x{ratio:.3f} of central  "
+    of_central = f"x{ratio:.3f} of central" if ratio is not None else "(no central row)"
+    print(f"{res.name:>14}: val loss {res.val_loss:.4f}  {of_central}  "
           f"{res.bytes_per_peer / 1e6:8.1f} MB/peer  {res.wall_s:6.0f} s  {res.tokens:,} tokens  "
           f"{res.rounds_applied} dense rounds applied", flush=True)  # fmt: skip
 
