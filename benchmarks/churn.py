@@ -123,14 +123,16 @@ def _report(work: Path, args, cfg, ckpt, ckpt_age, last_step, codes) -> dict:
     ids = [ln.split()[2].rstrip(";") for ln in _lines(work / "peer1.log", "peer id: ")]
     back = [r for r in _metrics(work / "peer1") if "val_loss" in r and "loss" not in r and r["step"] > 0]
     after = back[0] if back else {}
-    live = {}
-    for i in [i for i in range(args.peers) if i != 1]:  # each live peer's latest loss before that one
-        vals = [
-            r
-            for r in _metrics(work / f"peer{i}")
-            if "val_loss" in r and r.get("time", 0) <= after.get("time", 0)
-        ]
-        live[f"peer{i}"] = vals[-1]["val_loss"] if vals else None
+    live, around = {}, {}
+    for i in [i for i in range(args.peers) if i != 1]:
+        # each live peer's evaluations just before and just after that one: the restarted peer is measured
+        # on what it fetched from the swarm's latest round, which can be newer than a live peer's last
+        # evaluation (evaluations are `val_every` steps apart), so "then" lies between the two
+        vals = [r for r in _metrics(work / f"peer{i}") if "val_loss" in r]
+        before = [r for r in vals if r.get("time", 0) <= after.get("time", 0)]
+        later = [r for r in vals if r.get("time", 0) > after.get("time", 0)]
+        live[f"peer{i}"] = before[-1]["val_loss"] if before else None
+        around[f"peer{i}"] = [[r["step"], round(r["val_loss"], 4)] for r in (before[-1:] + later[:1])]
     ended = [i for i in range(args.peers + 1) if codes.get(f"peer{i}") == 0]
     dense = [load_checkpoint(latest_checkpoint(work / f"peer{i}" / "checkpoints")).model for i in ended]
     spread = max(
@@ -146,7 +148,9 @@ def _report(work: Path, args, cfg, ckpt, ckpt_age, last_step, codes) -> dict:
         "step_at_kill": last_step,
         "same_peer_id": len(ids) == 2 and ids[0] == ids[1],
         "restarted_val_loss_after_catch_up": after.get("val_loss"),
+        "restarted_step_after_catch_up": after.get("step"),
         "live_val_loss_then": live,
+        "live_val_loss_around": around,
         "joiner_caught_up": (_lines(work / f"peer{args.peers}.log", "caught up with the swarm") or [""])[0],
         "exit_codes": codes,
         "final_dense_max_diff": spread,
