@@ -52,6 +52,27 @@ def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_
     assert got[3][0].tolist() == [[0.4375] * 4] * 8
 
 
+def test_from_a_holder_behind_us_only_a_copy_newer_than_ours_travels_and_it_is_waited_for_briefly():
+    """Rounds on the wall clock start together, but a holder behind us in steps serves its new copy only
+    once its own round starts: until then it serves the copy we took last round, which must not travel
+    again (with a lossy codec it would travel whole, as it fits no change)."""
+    net = LocalNetwork()
+    server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {3: [torch.full((8, 4), 0.5)]}
+    server.update({"expert3": [torch.full((8, 4), 0.5)]}, step=90, final=False)  # the copy we hold
+    threading.Timer(1.2, server.update, ({"expert3": [torch.full((8, 4), 0.75)]}, 95, False)).start()
+    got, _, failures = downloads.fetch({3: [("b", 95)]}, mine, 100, False, time.monotonic() + 8, {3: 90})
+    assert failures == [] and got[3][0].tolist() == [[0.75] * 4] * 8 and downloads.steps == {3: 95}
+    polls = _moved(net)
+    assert len(polls) >= 2 and set(polls[:-1]) == {0} and polls[-1] == 32, polls
+    # a holder that does not move on: nothing travels, nothing is taken, and the wait ends well before
+    # the deadline
+    t0 = time.monotonic()
+    got, _, failures = downloads.fetch({3: [("b", 95)]}, mine, 100, False, time.monotonic() + 20, {3: 95})
+    assert got == {} and failures == [] and set(_moved(net)[len(polls) :]) == {0}
+    assert time.monotonic() - t0 < 8
+
+
 def test_fresh_reads_served_metadata_and_refuses_what_is_malformed():
     meta = {"items": ["expert1", "expert3"], "steps": [100, 90], "final": [False, True]}
     assert Fresh(("expert1",), 100, final=False)(meta)

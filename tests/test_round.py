@@ -64,15 +64,20 @@ class Swarm:
         beats = {p: Heartbeat(experts=ex, step=10, state="training") for p, ex in experts.items()}
         self.view = MembershipView(beats, holders, {})
 
+    def at_step(self, step: int) -> None:
+        """Every peer's heartbeat says ``step`` (a holder's copies are fresh from a round at that step)."""
+        beats = {p: Heartbeat(experts=ex, step=step, state="training") for p, ex in self.experts.items()}
+        self.view = MembershipView(beats, self.view.holders, {})
+
     def plan(self, me: str, index: int = 1, weights: dict[str, float] | None = None, last: bool = False,
-             refresh: bool = True):  # fmt: skip
+             refresh: bool = True, step: int = 10):  # fmt: skip
         local = self.experts[me]
         w = {DENSE: 1.0} | {expert_item(e): 1.0 for e in local} | (weights or {})
         specs, sole = layout("t", me, local, self.view.holders)
         like = {DENSE: self.dense[me]} | {expert_item(e): self.copies[me][e] for e in local}
         groups = [(s, self.ctx[me].groups.get(s, like)) for s in specs]
         frozen = {e: self.copies[me][e] for e in range(N_EXPERTS) if e not in local}
-        return RoundPlan(index, 10, self.dense[me], {e: self.copies[me][e] for e in local}, frozen, w,
+        return RoundPlan(index, step, self.dense[me], {e: self.copies[me][e] for e in local}, frozen, w,
                          groups, sole, None, last, refresh=refresh)  # fmt: skip
 
     def round(self, plans: dict[str, RoundPlan]):
@@ -373,6 +378,8 @@ def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
                   for e in range(N_EXPERTS)}  # fmt: skip
         swarm.copies[p] = {e: [t.half().float() for t in _near(shared[e], ord(p) + e, scale=0.1)]
                            for e in range(N_EXPERTS)}  # fmt: skip
+    # rounds at advancing steps, as in a run: a holder's copy from an earlier round is no fresh copy (with
+    # one step for every round, a download could take the holder's previous copy before its round began)
     first = swarm.round({p: swarm.plan(p, index=1) for p in peers})
     for p in peers:
         for e, ts in first[p].downloads.items():  # the training thread applies what came
@@ -385,11 +392,13 @@ def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
                                 for t in swarm.copies["b"][e]]  # fmt: skip
     # a round that is not a refresh round (sync.refresh_every): nothing downloaded, the holder's served copy
     # stays the one a holds, so the next refresh is still a change against it
-    between = swarm.round({p: swarm.plan(p, index=2, refresh=False) for p in peers})
+    swarm.at_step(20)
+    between = swarm.round({p: swarm.plan(p, index=2, refresh=False, step=20) for p in peers})
     assert between["a"].downloads == {} and "downloads" not in between["a"].record.phase_seconds
     for e in peers["b"]:
         swarm.copies["b"][e] = [t + 0.005 for t in swarm.copies["b"][e]]
-    second = swarm.round({p: swarm.plan(p, index=3) for p in peers})
+    swarm.at_step(30)
+    second = swarm.round({p: swarm.plan(p, index=3, step=30) for p in peers})
     assert second["a"].record.download_failures == [] and sorted(second["a"].downloads) == [2, 3]
     assert [
         f for f in swarm.net.fetched if f[:3] == ("a", "b", "t_experts") and f[3] > 0
@@ -405,7 +414,8 @@ def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
             assert got.dtype == torch.float16 and (got.float() - want).abs().max() <= change_step + 1e-3
     # a copy that is not the one the change was made against gets a whole copy instead
     swarm.copies["a"][2] = [t + 0.1 for t in swarm.copies["a"][2]]
-    third = swarm.round({p: swarm.plan(p, index=4) for p in peers})
+    swarm.at_step(40)
+    third = swarm.round({p: swarm.plan(p, index=4, step=40) for p in peers})
     assert sorted(third["a"].downloads) == [2, 3]
     assert len([f for f in swarm.net.fetched if f[:3] == ("a", "b", "t_experts") and f[3] > 0]) > len(whole)
     # a holder that serves malformed metadata (copies and changes) gives nothing, and crashes nobody

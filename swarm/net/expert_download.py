@@ -8,7 +8,8 @@ holder has that we want. The freshest holder of each expert is asked first (a ho
 nothing the time before, last), the next one for what it could not give; holders are asked at once (a thread each), so a round waits for the slowest, not for
 their sum. In an ordinary round a holder still in the same round is asked again until the
 deadline (its result is the copy worth having), and a holder behind us is taken as it is. After the last
-round only the holder's final copy will do (every peer must end with it), up to the deadline. Every copy passes
+round only the holder's final copy will do (every peer must end with it), up to the deadline; from a holder
+behind us, only a copy newer than the one we hold (``held``), for a few seconds. Every copy passes
 the tensor checks against ours, and stays fp16 as it travelled. Copies of one fetch must also move alike:
 one whose change since our copy is far above the median change of the fetch's copies (``outlying_changes``),
 or whose norm is far off ours or which points away from ours (``copy_doubt``: a holder that negated,
@@ -39,6 +40,11 @@ from swarm.sync.copy_prints import copy_doubt, copy_print
 RETRY_S = 0.5
 ATTEMPTS = 3  # holders asked in turn for one expert, at most
 MAX_EMPTY_ANSWERS = 5  # a holder serves nothing until its first round; an ordinary round gives up
+# a holder behind us in steps: how long to wait for a copy newer than ours. With rounds on the wall clock
+# every peer starts its round at the same slot, but a holder serves its new copy only once its own round
+# starts (up to a training step later); downloads begin with our round, so its previous copy, which we
+# already hold, is what it serves at first
+BEHIND_PATIENCE_S = 5.0
 
 
 class ExpertDownloads:
@@ -62,6 +68,7 @@ class ExpertDownloads:
         # expert -> the swarm's print, while our copy is no reference for it (``judge_by_prints``)
         self._print_refs: dict[int, torch.Tensor] = {}
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
+        self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
 
     def judge_by_prints(self, references: Mapping[int, torch.Tensor]) -> None:
         """Judge the next copies of these experts by the swarm's prints (``swarm.net.catch_up``) instead of
@@ -79,13 +86,15 @@ class ExpertDownloads:
         step: int,
         final: bool,
         deadline: float,
+        held: Mapping[int, int] | None = None,
     ) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
         """({expert: tensors}, rejected, failures) for the experts in ``holders`` (expert -> (peer, its
-        last reported step) pairs). ``final``: only a holder's final copy (settled after its last round)."""
+        last reported step) pairs). ``final``: only a holder's final copy (settled after its last round).
+        ``held``: the step of each copy we hold (a holder behind us serves nothing newer until its round)."""
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
-        self.received, self.steps = 0, {}
+        self.received, self.steps, self._held = 0, {}, dict(held or {})
         # the freshest holders first, but those that gave us nothing before last: a member that claims
         # experts it does not serve (and a huge step) is asked once, then after the holders that answer
         ranked = {
@@ -170,7 +179,9 @@ class ExpertDownloads:
         """The holder's new copies of ``wanted``, rebuilt from its changes against the copies we hold: only
         where its base is exactly our copy, and the result exactly its new copy (both by hash). ``steps``
         gets the step each new copy is from."""
-        served = self._fresh(peer, peer_step, wanted, step, False, deadline, [], self.deltas_name, 1)
+        # patience as for copies: a holder serves no change until its first round after the one that made
+        # our copy (downloads start with our round, and its round may start a moment later)
+        served = self._fresh(peer, peer_step, wanted, step, False, deadline, [], self.deltas_name)
         if served is None:
             return {}
         meta = served.meta
@@ -206,15 +217,20 @@ class ExpertDownloads:
     ) -> Served | None:
         empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
         items = tuple(expert_item(e) for e in wanted)
+        # fresh: from this round; from a holder behind us, newer than ours (None: any copy)
+        behind = peer_step < step
+        have = [self._held[e] for e in wanted if e in self._held]
+        min_step = step if not behind else (min(have) + 1 if have else None)
+        give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if behind and have else deadline
         while True:
             left = deadline - time.monotonic()
-            if left <= RETRY_S:
-                if latest is None:
+            if left <= RETRY_S or time.monotonic() >= give_up:
+                if latest is None and not behind:
                     failures.append(f"{label}: no fresh copy before the deadline")
                 return latest  # the newest copy it saw, if it never got a final one
             # only a copy worth having travels; after the last round, the first answer comes whole (the
             # newest copy, kept in case the holder never settles), then only a final one
-            fresh = Fresh(items, step if peer_step >= step else None, final) if not final or latest else None
+            fresh = Fresh(items, min_step, final) if not final or latest else None
             served = self.transport.fetch(peer, name or self.server_name, min(left, self.download_s), fresh)
             if served is not None:  # every answer counts: tensors travel whole, or not at all (``fresh``)
                 encoded = name is not None and name == self.deltas_name
@@ -242,8 +258,8 @@ class ExpertDownloads:
                 if all(is_final for _, is_final in copies):
                     return served
                 latest = served if served.tensors else latest
-            elif min(s for s, _ in copies) >= step or peer_step < step:
-                return served  # fresh from this round, or from a holder behind us (taken as it is)
+            elif min_step is None or min(s for s, _ in copies) >= min_step:
+                return served  # fresh from this round, or from a holder behind us and newer than ours
             time.sleep(RETRY_S)
 
 

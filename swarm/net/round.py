@@ -67,6 +67,7 @@ class RoundPlan:
     # holders advance the copies they serve and downloaders fetch them only then, so a downloader's copy is
     # the one the holder's next change is taken against
     refresh: bool = True
+    copy_steps: Mapping[int, int] = field(default_factory=dict)  # the step of each non-local copy we hold
 
 
 @dataclass
@@ -140,7 +141,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         holders = {
             e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
         }
-        fetch = RoundDownloads.start(ctx.downloads, holders, plan.frozen, plan.step, deadline)
+        fetch = RoundDownloads.start(
+            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps
+        )
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     started = []

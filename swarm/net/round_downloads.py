@@ -1,6 +1,6 @@
 """A round's downloads of non-local experts, run while its groups average.
 
-    fetch = RoundDownloads.start(ctx.downloads, holders, plan.frozen, plan.step, deadline)
+    fetch = RoundDownloads.start(ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps)
     ...                                             # the groups' all-reduce and checks meanwhile
     got, rejected, failures = fetch.wait()          # by the round's deadline
 
@@ -41,17 +41,19 @@ class RoundDownloads:
         mine: Mapping[int, list[torch.Tensor]],
         step: int,
         deadline: float,
+        held: Mapping[int, int] | None = None,
     ) -> RoundDownloads:
+        """``held``: the step of each copy we hold (``ExpertDownloads.fetch``)."""
         self = cls(downloads, deadline)
         self._thread = threading.Thread(
-            target=self._run, args=(holders, mine, step), name="swarm-round-downloads", daemon=True
+            target=self._run, args=(holders, mine, step, held), name="swarm-round-downloads", daemon=True
         )
         self._thread.start()
         return self
 
-    def _run(self, holders, mine, step: int) -> None:
+    def _run(self, holders, mine, step: int, held) -> None:
         try:
-            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline)
+            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held)
             self.steps = dict(self.downloads.steps)
         except Exception as e:  # reported by wait(): a download must not end the round's thread
             self._error = e

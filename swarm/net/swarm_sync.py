@@ -166,6 +166,7 @@ class SwarmSync:
             last=scheduled is not None or self.leaving,
             alone=not self.members.view.partners(self.ctx.me),
             refresh=self._point % self.sc.refresh_every == 0,
+            copy_steps=dict(self.copy_steps),
         )
         self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
