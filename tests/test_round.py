@@ -60,14 +60,13 @@ class Swarm:
             )  # fmt: skip
             self.dense[me] = [torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + i))]
             self.copies[me] = {e: _near(_expert(e), 1000 * i + e) for e in range(N_EXPERTS)}
-        holders = {e: frozenset(p for p, ex in experts.items() if e in ex) for e in range(N_EXPERTS)}
-        beats = {p: Heartbeat(experts=ex, step=10, state="training") for p, ex in experts.items()}
-        self.view = MembershipView(beats, holders, {})
+        self.holders = {e: frozenset(p for p, ex in experts.items() if e in ex) for e in range(N_EXPERTS)}
+        self.at_step(10)
 
     def at_step(self, step: int) -> None:
         """Every peer's heartbeat says ``step`` (a holder's copies are fresh from a round at that step)."""
         beats = {p: Heartbeat(experts=ex, step=step, state="training") for p, ex in self.experts.items()}
-        self.view = MembershipView(beats, self.view.holders, {})
+        self.view = MembershipView(beats, self.holders, {})
 
     def plan(self, me: str, index: int = 1, weights: dict[str, float] | None = None, last: bool = False,
              refresh: bool = True, step: int = 10):  # fmt: skip

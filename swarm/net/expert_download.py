@@ -221,11 +221,12 @@ class ExpertDownloads:
         behind = peer_step < step
         have = [self._held[e] for e in wanted if e in self._held]
         min_step = step if not behind else (min(have) + 1 if have else None)
-        give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if behind and have else deadline
+        newer_only = behind and bool(have)  # nothing newer within the patience: we keep ours, no failure
+        give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if newer_only else deadline
         while True:
             left = deadline - time.monotonic()
             if left <= RETRY_S or time.monotonic() >= give_up:
-                if latest is None and not behind:
+                if latest is None and not newer_only:
                     failures.append(f"{label}: no fresh copy before the deadline")
                 return latest  # the newest copy it saw, if it never got a final one
             # only a copy worth having travels; after the last round, the first answer comes whole (the
