@@ -55,6 +55,7 @@ def _metrics(run: Path) -> list[dict]:
 def run(args: argparse.Namespace, work: Path) -> dict:
     from peers.demo import wait_for_maddr
     from swarm.config import load_config
+    from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets
     from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 
     py, env = sys.executable, {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     subprocess.run([py, "-m", "swarm.data.cli", "stdlib", "--vocab-size", str(cfg.data.stdlib_vocab_size)],
                    cwd=ROOT, env=env, check=True, capture_output=True)  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
+    sockets_before = p2p_sockets()
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen:
         with open(work / f"{name}.log", "a") as log:
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             )
     finally:
         _stop(list(procs.values()))
+        remove_stale_p2p_sockets(sockets_before)  # the SIGKILLed peer's and bootstrap's
     return _report(work, args, cfg, ckpt, ckpt_age, last_step, codes)
 
 

@@ -189,40 +189,6 @@ def reap(procs) -> None:
         p.wait(timeout=30)
 
 
-def p2p_sockets() -> set[Path]:
-    return set(Path("/tmp").glob("hivemind-p2p*.sock"))
-
-
-def stale_p2p_sockets(before: set[Path]) -> set[Path]:
-    """Sockets that appeared since ``before`` and that nobody listens on: a p2p daemon that died without
-    removing its own (NOTES.md). A daemon of a test running beside this one (pytest -n) listens on its
-    socket; one that has bound but not yet listened is a few milliseconds old, so young sockets are left."""
-    import socket
-    import time
-
-    stale = set()
-    for path in p2p_sockets() - before:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            if time.time() - path.stat().st_mtime > 2.0:
-                s.connect(str(path))
-        except ConnectionRefusedError:
-            stale.add(path)
-        except OSError:
-            pass
-        finally:
-            s.close()
-    return stale
-
-
-def remove_stale_p2p_sockets(before: set[Path]) -> int:
-    """Remove the ``stale_p2p_sockets`` (a killed daemon's); returns how many."""
-    stale = stale_p2p_sockets(before)
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return len(stale)
-
-
 # The swarms of real processes: `make test` runs them one at a time, after the rest of the suite (which runs
 # on two workers, one module per worker at a time), because their timing assumes that no other swarm and no
 # heavy test shares the 2 cores. `pytest -m swarm` selects them, `-m "not swarm"` the rest.

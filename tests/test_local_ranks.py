@@ -16,19 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets, stale_p2p_sockets
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import (
-    ROOT,
-    p2p_sockets,
-    peer_cmd,
-    reap,
-    remove_stale_p2p_sockets,
-    round_records,
-    stale_p2p_sockets,
-    swarm_peer_args,
-    wait_until,
-)
+from tests.conftest import ROOT, peer_cmd, reap, round_records, swarm_peer_args, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 

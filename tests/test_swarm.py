@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from swarm.config import load_config
+from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets
 from swarm.net.round_memory import held_bytes
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import (
     ROOT,
-    p2p_sockets,
     reap,
-    remove_stale_p2p_sockets,
     round_records,
     run_peer,
     start_peer,
