@@ -82,8 +82,8 @@ def prepare_corpus(source: str, work: Path, mb: float = 12.0, vocab: int = 4096)
 
 def heldout_loss(hf_model, cfg, windows: int | None = None) -> float:
     """Mean cross-entropy (nats per token) of a HF causal LM on the held-out windows of ``cfg``'s data."""
+    from swarm.data.run_dataset import open_dataset
     from swarm.eval.val_bpb import validation_bpb
-    from swarm.train.trainer import open_dataset
 
     ds = open_dataset(cfg, progress=False)
     n = windows or cfg.data.val_batches * cfg.data.micro_batch
@@ -123,8 +123,8 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
     """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay), the
     trainer's schedule (``lr_at``) and gradient clipping; its loss is HF's own (LM + router aux loss)."""
     from swarm.data import WindowSampler
+    from swarm.data.run_dataset import open_dataset
     from swarm.train.schedule import lr_at
-    from swarm.train.trainer import open_dataset
 
     t0, t = time.monotonic(), cfg.train
     torch.manual_seed(t.seed)
@@ -161,10 +161,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1)
     step (``every``: every that many steps), in this process (no network, no waiting, no stale results).
     A swarm that averages every few steps, while it trains on, can only do worse."""
     from swarm.data import WindowSampler
+    from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
     from swarm.train.optimizer import build_optimizer
     from swarm.train.schedule import lr_at
-    from swarm.train.trainer import open_dataset
 
     t0, t, ds = time.monotonic(), cfg.train, open_dataset(cfg, progress=False)
     models, opts, samplers = [], [], []

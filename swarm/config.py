@@ -15,22 +15,13 @@ import dataclasses
 import hashlib
 import json
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type or out of range. The message names the field."""
-
-
-def _check(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}: {msg}")
+from swarm.config_values import ConfigError, build, check
 
 
 @dataclass
@@ -60,19 +51,19 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "expert_hidden", "top_k"):
-            _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
+            check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
-        _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", "must divide model.n_heads")
-        _check(self.head_dim % 2 == 0, "model.n_heads", "head dimension d_model/n_heads must be even (RoPE)")
+        check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", "must divide model.n_heads")
+        check(self.head_dim % 2 == 0, "model.n_heads", "head dimension d_model/n_heads must be even (RoPE)")
         # grouped GEMM kernels need 16-byte aligned strides: a multiple of 8 covers fp32 and bf16.
-        _check(self.d_model % 8 == 0, "model.d_model", "must be a multiple of 8 (grouped GEMM alignment)")
-        _check(self.expert_hidden % 8 == 0, "model.expert_hidden", "must be a multiple of 8")
-        _check(self.top_k <= self.n_experts, "model.top_k", "must be <= model.n_experts")
-        _check(self.rope_theta > 0, "model.rope_theta", "must be > 0")
-        _check(self.lb_loss_coef >= 0 and self.z_loss_coef >= 0, "model.lb_loss_coef", "loss coefs >= 0")
-        _check(self.init_std > 0, "model.init_std", "must be > 0")
+        check(self.d_model % 8 == 0, "model.d_model", "must be a multiple of 8 (grouped GEMM alignment)")
+        check(self.expert_hidden % 8 == 0, "model.expert_hidden", "must be a multiple of 8")
+        check(self.top_k <= self.n_experts, "model.top_k", "must be <= model.n_experts")
+        check(self.rope_theta > 0, "model.rope_theta", "must be > 0")
+        check(self.lb_loss_coef >= 0 and self.z_loss_coef >= 0, "model.lb_loss_coef", "loss coefs >= 0")
+        check(self.init_std > 0, "model.init_std", "must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -89,26 +80,26 @@ class ExpertsConfig:
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.local is None or self.per_peer is None,
             "experts.local",
             "give either experts.local or experts.per_peer, not both",
         )
         if self.local is not None:
-            _check(len(self.local) >= 1, "experts.local", "must not be empty")
-            _check(len(set(self.local)) == len(self.local), "experts.local", "has duplicates")
-            _check(all(e >= 0 for e in self.local), "experts.local", "expert indices must be >= 0")
+            check(len(self.local) >= 1, "experts.local", "must not be empty")
+            check(len(set(self.local)) == len(self.local), "experts.local", "has duplicates")
+            check(all(e >= 0 for e in self.local), "experts.local", "expert indices must be >= 0")
         if self.per_peer is not None:
-            _check(self.per_peer >= 1, "experts.per_peer", "must be >= 1")
+            check(self.per_peer >= 1, "experts.per_peer", "must be >= 1")
 
     def resolve(self, n_experts: int) -> list[int]:
         """The sorted expert indices a solo peer trains."""
         if self.local is not None:
             bad = [e for e in self.local if e >= n_experts]
-            _check(not bad, "experts.local", f"indices {bad} out of range for model.n_experts={n_experts}")
+            check(not bad, "experts.local", f"indices {bad} out of range for model.n_experts={n_experts}")
             return sorted(self.local)
         if self.per_peer is not None:
-            _check(self.per_peer <= n_experts, "experts.per_peer", f"must be <= model.n_experts={n_experts}")
+            check(self.per_peer <= n_experts, "experts.per_peer", f"must be <= model.n_experts={n_experts}")
             return list(range(self.per_peer))
         return list(range(n_experts))
 
@@ -127,11 +118,11 @@ class DataConfig:
     seed: int | None = None  # window sampling seed; each peer should differ (None: train.seed + 1)
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "data.path", "must be a prepared data directory or 'stdlib'")
-        _check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
-        _check(self.micro_batch >= 1, "data.micro_batch", "must be >= 1")
-        _check(self.val_batches >= 1, "data.val_batches", "must be >= 1")
-        _check(
+        check(bool(self.path), "data.path", "must be a prepared data directory or 'stdlib'")
+        check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
+        check(self.micro_batch >= 1, "data.micro_batch", "must be >= 1")
+        check(self.val_batches >= 1, "data.val_batches", "must be >= 1")
+        check(
             self.stdlib_vocab_size >= 260, "data.stdlib_vocab_size", "must be >= 260 (256 bytes + specials)"
         )
 
@@ -169,26 +160,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # YAML gives a list
-        _check(self.lr > 0, "train.lr", "must be > 0")
-        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _check(self.decay_steps >= 1, "train.decay_steps", "must be >= 1")
-        _check(self.max_steps >= 0, "train.max_steps", "must be >= 0")
-        _check(
+        check(self.lr > 0, "train.lr", "must be > 0")
+        check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        check(self.decay_steps >= 1, "train.decay_steps", "must be >= 1")
+        check(self.max_steps >= 0, "train.max_steps", "must be >= 0")
+        check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas", "two values in [0,1)"
         )
-        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-        _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-        _check(self.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-        _check(
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+        check(self.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+        check(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
             "train.device",
             "auto|cpu|cuda",
         )
         for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        _check(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)")
-        _check(self.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0 (0: by steps only)")
+            check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        check(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)")
+        check(self.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0 (0: by steps only)")
 
 
 @dataclass
@@ -229,17 +220,17 @@ class SyncConfig:
     clip_factor: float = 2.0  # the robust rules' radius: this x the median member's distance from the centre
 
     def __post_init__(self) -> None:
-        _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
-        _check(
+        check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
+        check(
             self.sync_every_s == 0 or self.sync_every_s >= 1, "sync.sync_every_s", "must be 0 (off) or >= 1"
         )
-        _check(0 < self.sync_alpha <= 3, "sync.sync_alpha", "must be in (0, 3]")
-        _check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")
-        _check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")
-        _check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
-        _check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
-        _check(self.refresh_every >= 1, "sync.refresh_every", "must be >= 1")
-        _check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
+        check(0 < self.sync_alpha <= 3, "sync.sync_alpha", "must be in (0, 3]")
+        check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")
+        check(self.merge_warmup_steps >= 0, "sync.merge_warmup_steps", "must be >= 0")
+        check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
+        check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
+        check(self.refresh_every >= 1, "sync.refresh_every", "must be >= 1")
+        check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
         for name in (
             "matchmaking_s",
             "round_timeout_s",
@@ -247,14 +238,14 @@ class SyncConfig:
             "heartbeat_s",
             "orphan_grace_s",
         ):
-            _check(getattr(self, name) > 0, f"sync.{name}", "must be > 0")
-        _check(
+            check(getattr(self, name) > 0, f"sync.{name}", "must be > 0")
+        check(
             self.round_timeout_s > self.matchmaking_s,
             "sync.round_timeout_s",
             "must exceed sync.matchmaking_s",
         )
-        _check(self.max_rel_distance > 0, "sync.max_rel_distance", "must be > 0")
-        _check(math.isfinite(self.clip_factor) and self.clip_factor >= 1, "sync.clip_factor", "must be >= 1")
+        check(self.max_rel_distance > 0, "sync.max_rel_distance", "must be > 0")
+        check(math.isfinite(self.clip_factor) and self.clip_factor >= 1, "sync.clip_factor", "must be >= 1")
 
 
 @dataclass
@@ -269,8 +260,8 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_id) and "." not in self.run_id, "run_id", "must be non-empty and contain no '.'")
-        _check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", "must be <= model.max_seq_len")
+        check(bool(self.run_id) and "." not in self.run_id, "run_id", "must be non-empty and contain no '.'")
+        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", "must be <= model.max_seq_len")
         self.experts.resolve(self.model.n_experts)  # range checks that need the model shape
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,75 +276,8 @@ class RunConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Convert a YAML value to the annotated type, or raise ConfigError naming the field."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, name)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{name}: invalid value {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        _check(value in choices, name, f"must be one of {list(choices)}, got {value!r}")
-        return value
-    if origin in (list, tuple):
-        _check(isinstance(value, (list, tuple)), name, f"must be a list, got {value!r}")
-        (inner, *_) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, inner, f"{name}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        _check(isinstance(value, dict), name, f"must be a mapping, got {value!r}")
-        return _build(tp, value, name)
-    if tp is bool:
-        _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        _check(
-            isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}"
-        )
-        return value
-    if tp is float:
-        if isinstance(value, str):  # PyYAML reads 5e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _check(
-            isinstance(value, (int, float)) and not isinstance(value, bool),
-            name,
-            f"must be a number, got {value!r}",
-        )
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, str), name, f"must be a string, got {value!r}")
-        return value
-    return value
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        _check(
-            key in known, f"{prefix}{'.' if prefix else ''}{key}", f"unknown field (known: {sorted(known)})"
-        )
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}{'.' if prefix else ''}{k}") for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field missing
-        raise ConfigError(f"{prefix or 'config'}: {e}") from None
-
-
 def _apply_override(raw: dict[str, Any], item: str) -> None:
-    _check("=" in item, "--set", f"expected key=value, got {item!r}")
+    check("=" in item, "--set", f"expected key=value, got {item!r}")
     key, text = item.split("=", 1)
     try:
         value = yaml.safe_load(text) if text else ""
@@ -363,7 +287,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
-        _check(isinstance(node, dict), key, "is not a section")
+        check(isinstance(node, dict), key, "is not a section")
     node[parts[-1]] = value
 
 
@@ -371,7 +295,7 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) ->
     raw = json.loads(json.dumps(raw))  # deep copy; also rejects non-JSON YAML oddities early
     for item in overrides or []:
         _apply_override(raw, item)
-    return _build(RunConfig, raw)
+    return build(RunConfig, raw)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -387,7 +311,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"{path}:{where} is not valid YAML") from None
     if raw is None:
         raw = {}
-    _check(isinstance(raw, dict), str(path), "must be a YAML mapping of sections")
+    check(isinstance(raw, dict), str(path), "must be a YAML mapping of sections")
     try:
         return config_from_dict(raw, overrides)
     except (TypeError, ValueError) as e:

@@ -88,8 +88,8 @@ def validation_metrics(
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    from swarm.data.run_dataset import open_dataset
     from swarm.eval.val_bpb import validation_bpb
-    from swarm.train.trainer import open_dataset
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     cfg = cfg or RunConfig()

@@ -28,14 +28,10 @@ from tqdm import tqdm
 
 from swarm.config import ConfigError, RunConfig, load_config, save_config
 from swarm.data import (
-    DataError,
-    TokenDataset,
     WindowSampler,
-    ensure_stdlib_dataset,
-    load_tokenizer,
     validation_batches,
 )
-from swarm.data.manifest import file_sha256
+from swarm.data.run_dataset import open_dataset
 from swarm.model import MoETransformer, check_backend
 from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from swarm.train.local_ranks import LocalRanks, NullMetrics
@@ -56,27 +52,6 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device: {name} requested but CUDA is not available")
     return torch.device(name)
-
-
-def open_dataset(cfg: RunConfig, progress: bool = True) -> TokenDataset:
-    """The run's token data; ``data.path: stdlib`` builds the embedded corpus on first use."""
-    if cfg.data.path == "stdlib":
-        path = ensure_stdlib_dataset(
-            cfg.data.cache_dir, vocab_size=cfg.data.stdlib_vocab_size, progress=progress
-        )
-    else:
-        path = Path(cfg.data.path)
-    ds = TokenDataset.open(path)
-    if cfg.data.tokenizer:
-        tok = load_tokenizer(cfg.data.tokenizer)  # DataError if missing or unreadable
-        if tok.get_vocab_size() != ds.vocab_size or file_sha256(cfg.data.tokenizer) != ds.tokenizer_sha256:
-            raise DataError(f"tokenizer {cfg.data.tokenizer} is not the one {path} was prepared with")
-    if ds.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's tokenizer "
-            f"vocabulary ({ds.vocab_size}, {path})"
-        )
-    return ds
 
 
 class Trainer:
