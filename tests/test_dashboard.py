@@ -26,6 +26,7 @@ from swarm.dashboard.peer_table import PeerTable
 from swarm.dashboard.prometheus_metrics import metrics_registry, render
 from swarm.dashboard.server import Dashboard
 from swarm.dashboard.swarm_view import SwarmView, ViewConfig
+from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets
 from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
 from tests.conftest import ROOT, SWARM_SETTINGS, reap, start_peer, wait_for_maddr, wait_until
 
@@ -345,6 +346,7 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
 
     ARTIFACTS.mkdir(exist_ok=True)
     procs, reader, period = [], None, 2.0  # SWARM_SETTINGS: heartbeat every 2 s
+    sockets_before = p2p_sockets()
     run_id = load_config(tiny_config).run_id
     boot_port, dash_port = _free_port(), _free_port()
     try:
@@ -506,3 +508,4 @@ def test_live_swarm_in_a_browser(tiny_config, tmp_path):
         if reader is not None:
             reader.shutdown()
         reap(procs)
+        remove_stale_p2p_sockets(sockets_before)  # the SIGKILLed peer's daemon could not remove its own
