@@ -22,10 +22,15 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
     every_step     (only when asked for) the ceiling of parameter averaging: the peers' batches and AdamW in
                    one process, every expert trained by every peer, weights averaged after every step
                    (``--average-every N``: every N steps, still synchronously, as a swarm that waited)
+    every_step_spes  (only when asked for) the same with each peer training only its own
+                   ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
 On 2 cores (four peers of the demo shape share them) a row of 140 steps (the default) took 2 to 3 minutes
 (central 117 s, swarm rows 124 to 180 s on the docs corpus, 2026-11-26): every row in about 25 minutes. Runs
 of 250 steps took about 7 minutes a row in an earlier series.
+
+The in-process rows (central, every_step, every_step_spes) run on ``--device`` (``cuda`` for long
+horizons); the swarm rows run as the config says.
 
 Printed: final validation loss, its ratio to central, bytes per peer (the round records' count, both
 directions), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
@@ -48,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ROWS = ("central", "swarm", "no_merge", "replication2", "nesterov", "sync_half", "sync_double",
         "diloco_tokens", "diloco_bytes")  # fmt: skip
-EXTRA_ROWS = ("every_step",)
+EXTRA_ROWS = ("every_step", "every_step_spes")
 QUICK_ROWS = ("central", "swarm", "no_merge", "diloco_tokens")
 DOCS_CORPUS = ROOT.parent / "shared" / "data" / "docs-corpus.txt.xz"
 
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
-    ap.add_argument("--average-every", type=int, default=1, help="the every_step row's interval (steps)")
+    ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
+    ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
     ap.add_argument("--json", action="store_true")
@@ -110,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         results, diloco_scale = {}, 2.0
         for name in rows:
             if name == "central":
-                res = run_central(cfg, steps, args.peers, eval_every=max(1, steps // 8))
-            elif name == "every_step":
-                res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every)
+                res = run_central(cfg, steps, args.peers, max(1, steps // 8), device=args.device)
+            elif name in EXTRA_ROWS:
+                res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
+                                     own_experts=name == "every_step_spes", device=args.device)  # fmt: skip
             else:
                 if name == "diloco_bytes":
                     diloco_scale = _scale_for_equal_bytes(results)

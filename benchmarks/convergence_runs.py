@@ -80,7 +80,7 @@ def prepare_corpus(source: str, work: Path, mb: float = 12.0, vocab: int = 4096)
     return str(out)
 
 
-def heldout_loss(hf_model, cfg, windows: int | None = None) -> float:
+def heldout_loss(hf_model, cfg, windows: int | None = None, device: str = "cpu") -> float:
     """Mean cross-entropy (nats per token) of a HF causal LM on the held-out windows of ``cfg``'s data."""
     from swarm.data.run_dataset import open_dataset
     from swarm.eval.val_bpb import validation_bpb
@@ -94,6 +94,7 @@ def heldout_loss(hf_model, cfg, windows: int | None = None) -> float:
         cfg.data.seq_len,
         batch_size=cfg.data.micro_batch,
         max_batches=max(1, n // cfg.data.micro_batch),
+        device=device,
     )
     return float(res["loss"])
 
@@ -119,7 +120,7 @@ def initial_canonical(cfg) -> dict[str, torch.Tensor]:
     return model.canonical_state_dict()
 
 
-def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
+def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu") -> RunResult:
     """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay), the
     trainer's schedule (``lr_at``) and gradient clipping; its loss is HF's own (LM + router aux loss)."""
     from swarm.data import WindowSampler
@@ -128,7 +129,7 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
 
     t0, t = time.monotonic(), cfg.train
     torch.manual_seed(t.seed)
-    model = hf_model_from(cfg, initial_canonical(cfg))
+    model = hf_model_from(cfg, initial_canonical(cfg)).to(device)
     model.config.output_router_logits = True
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -136,12 +137,14 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=t.betas, eps=t.eps)  # fmt: skip
     batch = peers * cfg.data.micro_batch
     sampler = WindowSampler(open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1)
-    curve, tokens = [(0, heldout_loss(model, cfg))], 0
+    curve, tokens = [(0, heldout_loss(model, cfg, device=device))], 0
     model.train()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
-        ids = sampler.next_batch()  # seq_len + 1 tokens: HF shifts the labels inside, so it predicts seq_len
+        ids = sampler.next_batch().to(
+            device
+        )  # seq_len + 1 tokens: HF shifts the labels inside, so it predicts seq_len
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         if t.grad_clip:
@@ -150,52 +153,77 @@ def run_central(cfg, steps: int, peers: int, eval_every: int) -> RunResult:
         opt.zero_grad(set_to_none=True)
         tokens += batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append((tokens, heldout_loss(model, cfg)))
+            curve.append((tokens, heldout_loss(model, cfg, device=device)))
             model.train()
     return RunResult("central", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 
-def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1) -> RunResult:
-    """The ceiling of parameter averaging: ``peers`` copies of our model, each training every expert with
-    its own AdamW on its own windows (the swarm's batches), their weights averaged after every optimizer
-    step (``every``: every that many steps), in this process (no network, no waiting, no stale results).
-    A swarm that averages every few steps, while it trains on, can only do worse."""
+def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
+                   device: str = "cpu") -> RunResult:  # fmt: skip
+    """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
+    windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
+    in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
+    it trains on, can only do worse. Every replica trains every expert, or with ``own_experts`` only its
+    own ``experts.per_peer`` of them, as a swarm peer does (the others are frozen copies, taken from their
+    trainers at every averaging); an expert is the mean of the replicas that trained it."""
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
     from swarm.train.optimizer import build_optimizer
     from swarm.train.schedule import lr_at
 
-    t0, t, ds = time.monotonic(), cfg.train, open_dataset(cfg, progress=False)
+    t0, t, ds, n_exp = time.monotonic(), cfg.train, open_dataset(cfg, progress=False), cfg.model.n_experts
+    per = min(n_exp, cfg.experts.per_peer or n_exp) if own_experts else n_exp
+    owned = [sorted({(i * per + j) % n_exp for j in range(per)}) for i in range(peers)]
     models, opts, samplers = [], [], []
     for i in range(peers):
-        m = MoETransformer(cfg.model, list(range(cfg.model.n_experts)))
+        m = MoETransformer(cfg.model, owned[i], cfg.experts.frozen_dtype)
         m.init_weights(t.seed)
-        models.append(m)
+        models.append(m.to(device))
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
-    tokens, curve = 0, [(0, heldout_loss(hf_model_from(cfg, models[0].canonical_state_dict()), cfg))]
+
+    def evaluate() -> float:
+        return heldout_loss(
+            hf_model_from(cfg, models[0].canonical_state_dict()).to(device), cfg, device=device
+        )
+
+    tokens, curve = 0, [(0, evaluate())]
     for step in range(steps):
         for m, opt, sampler in zip(models, opts, samplers, strict=True):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, t)
-            batch = sampler.next_batch()
+            batch = sampler.next_batch().to(device)
             m(batch[:, :-1], targets=batch[:, 1:]).loss.backward()
             if t.grad_clip:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), t.grad_clip)
+                torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == steps:
-            with torch.no_grad():
-                for same in zip(*(m.parameters() for m in models), strict=True):
-                    mean = torch.stack([p for p in same]).mean(0)
-                    for p in same:
-                        p.copy_(mean)
+            _average_replicas(models, owned, n_exp)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append((tokens, heldout_loss(hf_model_from(cfg, models[0].canonical_state_dict()), cfg)))
-    name = "every_step" if every == 1 else f"every_{every}_steps"
+            curve.append((tokens, evaluate()))
+    name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+
+
+@torch.no_grad()
+def _average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
+    """Dense weights: the mean of every replica; expert e: the mean of the replicas that train it (an expert
+    that none trains, when peers x per_peer < n_experts, stays as it is)."""
+    states = [m.canonical_state_dict() for m in models]
+    merged = {}
+    for name in states[0]:
+        if ".experts." not in name:
+            merged[name] = torch.stack([s[name] for s in states]).mean(0)
+            continue
+        merged[name] = torch.empty_like(states[0][name])
+        for e in range(n_exp):
+            holders = [s[name][e] for s, own in zip(states, owned, strict=True) if e in own]
+            merged[name][e] = torch.stack(holders).mean(0) if holders else states[0][name][e]  # untrained
+    for m in models:
+        m.load_canonical_state_dict(merged)
 
 
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,

@@ -185,7 +185,7 @@ def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
     for r in rows:
         assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r  # below ln(512) = 6.24 + margin
         assert r["tokens"] == 12 * 2 * cfg["data"]["micro_batch"] * cfg["data"]["seq_len"], r
-    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", "every_step")}
+    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", *EXTRA_ROWS)}
     assert all(r["bytes_per_peer"] > 0 and r["rounds_applied"] >= 1 for r in swarms.values()), swarms
     saved = json.loads((out / "convergence.json").read_text())
     assert set(saved["rows"]) == {*ROWS, *EXTRA_ROWS} and all(
