@@ -14,6 +14,7 @@ import contextlib
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from hivemind.dht.routing import DHTID
 
 from swarm.net.dht_auth import SwarmKeyAuthorizer
 from swarm.net.identity import IdentityError, PeerIdentity
+from swarm.net.p2p_sockets import YOUNG_S, p2p_sockets, remove_stale_p2p_sockets
 from swarm.net.swarm_key import SwarmKey
 
 
@@ -89,15 +91,27 @@ def start_dht(
 
 
 def _started(kwargs: dict, wait_timeout: float) -> hivemind.DHT:
+    before, dht = p2p_sockets(), None
     try:
         with hivemind_child_signals():
             dht = _DHT(**kwargs)
         dht.wait_until_ready(timeout=wait_timeout)
     except Exception as e:  # hivemind raises several types; the user needs one clear line
+        _clean_up_failed_start(dht, before)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "the address, and that this node has the swarm key (--swarm-key)"
         raise DHTStartError(f"could not start the DHT node ({msg}); check --initial-peers, {hint}") from None
     return dht
+
+
+def _clean_up_failed_start(dht: hivemind.DHT | None, before: set) -> None:
+    """A node that failed to bootstrap ends its process, and its p2p daemon dies without removing its socket
+    (in about half of the starts refused for a wrong swarm key): stop what is left and remove that socket
+    once it is old enough to be told from one that another process is still setting up."""
+    if dht is not None and dht.is_alive():
+        dht.shutdown()
+    time.sleep(YOUNG_S + 0.1)
+    remove_stale_p2p_sockets(before)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
