@@ -192,3 +192,33 @@ def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
         saved["rows"][k]["curve"] for k in saved["rows"]
     )
     assert (out / "convergence.png").stat().st_size > 10_000
+
+
+def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers():
+    """convergence_runs' in-process averaging (the every_step rows): dense weights are the mean of every
+    replica, an expert the mean of the replicas that train it, an expert nobody trains stays; all agree."""
+    import torch
+
+    from benchmarks.convergence_runs import _average_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1], [1, 2], [3]]  # expert 1 has two trainers; 4-7 have none
+    models = []
+    for i, own in enumerate(owned):
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=i)  # every replica different
+        models.append(m)
+    before = [m.canonical_state_dict() for m in models]
+    _average_replicas(models, owned, mcfg.n_experts)
+    after = [m.canonical_state_dict() for m in models]
+    for name, value in after[0].items():
+        assert all(torch.equal(value, a[name]) for a in after[1:]), name  # every replica alike
+        if ".experts." not in name:
+            assert torch.allclose(value, sum(b[name] for b in before) / 3, atol=1e-7), name
+            continue
+        assert torch.equal(value[0], before[0][name][0]) and torch.equal(value[3], before[2][name][3])
+        assert torch.allclose(value[1], (before[0][name][1] + before[1][name][1]) / 2, atol=1e-7)
+        assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
