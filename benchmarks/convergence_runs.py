@@ -200,7 +200,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == steps:
-            _average_replicas(models, owned, n_exp)
+            average_replicas(models, owned, n_exp)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
@@ -209,7 +209,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
 
 
 @torch.no_grad()
-def _average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
+def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
     """Dense weights: the mean of every replica; expert e: the mean of the replicas that train it (an expert
     that none trains, when peers x per_peer < n_experts, stays as it is)."""
     states = [m.canonical_state_dict() for m in models]

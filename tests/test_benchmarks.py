@@ -199,7 +199,7 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
     replica, an expert the mean of the replicas that train it, an expert nobody trains stays; all agree."""
     import torch
 
-    from benchmarks.convergence_runs import _average_replicas
+    from benchmarks.convergence_runs import average_replicas
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from tests.conftest import TINY_CONFIG
@@ -212,7 +212,7 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         m.init_weights(seed=i)  # every replica different
         models.append(m)
     before = [m.canonical_state_dict() for m in models]
-    _average_replicas(models, owned, mcfg.n_experts)
+    average_replicas(models, owned, mcfg.n_experts)
     after = [m.canonical_state_dict() for m in models]
     for name, value in after[0].items():
         assert all(torch.equal(value, a[name]) for a in after[1:]), name  # every replica alike

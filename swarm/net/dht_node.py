@@ -110,8 +110,10 @@ def _clean_up_failed_start(dht: hivemind.DHT | None, before: set) -> None:
     once it is old enough to be told from one that another process is still setting up."""
     if dht is not None and dht.is_alive():
         dht.shutdown()
-    time.sleep(YOUNG_S + 0.1)
-    remove_stale_p2p_sockets(before)
+    # no new socket (the node failed before its daemon started): nothing to wait for
+    if p2p_sockets() - before:
+        time.sleep(YOUNG_S + 0.1)
+        remove_stale_p2p_sockets(before)
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
