@@ -151,7 +151,9 @@ def round_records(run_dir: Path) -> list:
     return [r for r in records if r.started]
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
+def wait_until(cond, timeout: float, what: str, detail=None) -> None:
+    """Poll ``cond`` until it holds; past ``timeout`` seconds raise, with ``detail()`` (say, a log's tail)
+    appended so that a failure on CI explains itself."""
     import time
 
     deadline = time.time() + timeout
@@ -159,7 +161,7 @@ def wait_until(cond, timeout: float, what: str) -> None:
         if cond():
             return
         time.sleep(0.2)
-    raise TimeoutError(what)
+    raise TimeoutError(what if detail is None else f"{what}\n{detail()}")
 
 
 def start_peer(args: list[str], log: Path) -> subprocess.Popen:
