@@ -296,3 +296,40 @@ def test_a_large_announcement_reaches_the_averager_in_parts_that_are_each_one_pi
     assert len(sent) == 1
     asyncio.run(averager._announce(*sent[0][1]))
     assert MSGPackSerializer.loads(averager._announced) == {}
+
+
+def test_a_group_whose_averager_never_gets_ready_or_whose_dht_is_gone_fails_instead_of_waiting_forever(
+    monkeypatch,
+):
+    """hivemind waits for a new averager without a timeout; one whose request to its DHT process is never
+    answered (a DHT process that died: seen in the suite) would wait forever. Opening a group is bounded
+    (``READY_S``), leaves no averager process behind, and a dead DHT node is refused at once."""
+    import asyncio
+
+    import hivemind
+
+    from swarm.net import serving_averager
+    from swarm.net.serving_averager import AveragerStartError
+
+    async def unanswered(self):  # the averager asks its DHT process for the daemon and hears nothing
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(serving_averager, "READY_S", 3.0)
+    dht = start_dht()
+    transport = HivemindTransport(dht, TIMING)
+    before = set(mp.active_children())
+    with monkeypatch.context() as patch:  # the averager's process is forked with the patched class
+        patch.setattr(hivemind.DHT, "replicate_p2p", unanswered)
+        t0 = time.monotonic()
+        with pytest.raises(AveragerStartError, match="not ready in 3 s"):
+            transport.open("t_unready", [torch.zeros(10)])
+    assert time.monotonic() - t0 < 3.0 + 6.0
+    assert set(mp.active_children()) - before == set()  # the stuck averager was stopped
+    group = transport.open("t_ready", [torch.zeros(10)])  # the node itself is fine
+    transport.close_groups([group])
+    dht.shutdown()
+    dht.join(timeout=10)  # shutdown may end by terminating it, which does not wait for the process to go
+    t0 = time.monotonic()
+    with pytest.raises(AveragerStartError, match="DHT node's process is not running"):
+        transport.open("t_dead", [torch.zeros(10)])
+    assert time.monotonic() - t0 < 1.0 and set(mp.active_children()) - before == set()

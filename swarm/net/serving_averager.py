@@ -32,6 +32,20 @@ from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
 ANNOUNCE_PART = 8192
+# hivemind waits for a new averager with no timeout; one whose request to its DHT process (for the p2p
+# daemon) goes unanswered waits forever (seen in the suite: a DHT process gone, every later group hung)
+READY_S = 60.0
+
+
+class AveragerStartError(RuntimeError):
+    """An averager could not start: its DHT node is not running, or it was not ready in ``READY_S``."""
+
+
+def _running(dht: hivemind.DHT) -> bool:
+    try:
+        return dht.is_alive()
+    except AssertionError:  # started by another process: not ours to tell
+        return True
 
 
 def gathered_token(gather: bytes) -> object:
@@ -55,6 +69,11 @@ class ServingAverager(hivemind.DecentralizedAverager):
     ) -> None:
         # before the process forks: the child checks callers with the key and reduces with the rule
         self.swarm_key, self.rule = swarm_key, rule
+        dht = kwargs.get("dht", args[1] if len(args) > 1 else None)
+        if dht is not None and not _running(dht):  # hivemind would ask it and wait for an answer forever
+            raise AveragerStartError(
+                f"averager {kwargs.get('prefix')}: its DHT node's process is not running"
+            )
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
@@ -100,8 +119,17 @@ class ServingAverager(hivemind.DecentralizedAverager):
         # hivemind's own sets SIGINT ignored in *this* process, for the child to inherit, and never restores
         # it (a Ctrl+C would be lost from then on); the child sets its own signals instead (run)
         self.start()
-        if await_ready:
-            self.wait_until_ready(timeout)
+        if not await_ready:
+            return
+        wait = READY_S if timeout is None else timeout
+        try:
+            self.wait_until_ready(wait)
+        except BaseException as e:
+            self.kill()  # stuck before it serves anything: nothing to shut down cleanly
+            self.join(timeout=5.0)
+            if isinstance(e, TimeoutError):
+                raise AveragerStartError(f"averager {self.prefix}: not ready in {wait:.0f} s") from None
+            raise
 
     def run(self) -> None:
         as_hivemind_child()
