@@ -34,3 +34,42 @@ def test_a_peer_restarted_with_its_identity_does_not_make_others_stores_fail(tmp
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def _sender_gone():
+    raise EOFError  # what multiprocessing raises reading a request whose sender closed its resource sharer
+
+
+class _RequestOfAGoneSender:
+    def __reduce__(self):
+        return _sender_gone, ()
+
+
+def test_a_request_that_cannot_be_read_is_dropped_and_the_node_keeps_serving():
+    """An averager that exits while the DHT process reads its last request made that read fail with
+    EOFError, which hivemind's loop does not catch: the DHT process ended and every later call to it
+    waited forever. The request is dropped; the node stays up and answers."""
+    dht = start_dht()
+    try:
+        dht._outer_pipe.send(_RequestOfAGoneSender())  # as hivemind sends a request down its pipe
+        got = dht.get("nothing-here", return_future=True).result(timeout=30)
+        assert got is None and dht.is_alive()
+    finally:
+        dht.shutdown()
+
+
+def test_the_request_pipe_still_ends_when_its_writers_are_gone():
+    import multiprocessing as mp
+
+    from swarm.net.dht_node import DHTRequests
+
+    inner, outer = mp.Pipe(duplex=False)
+    requests = DHTRequests(inner)
+    outer.send(("_get", [], {"key": "k"}))
+    outer.send(_RequestOfAGoneSender())
+    assert requests.poll() and requests.recv() == ("_get", [], {"key": "k"})
+    with pytest.raises(OSError, match="dropped a request that could not be read"):
+        requests.recv()
+    outer.close()  # the parent is gone: the loop must end, not spin on errors
+    with pytest.raises(EOFError):
+        requests.recv()

@@ -11,11 +11,13 @@ interface (see NOTES.md): a peer here exposes itself beyond loopback only when a
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
 import signal
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import hivemind
@@ -150,9 +152,35 @@ def as_hivemind_child() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+class DHTRequests:
+    """The DHT process's end of its request pipe (hivemind's ``_inner_pipe``), where one request that cannot
+    be read is dropped instead of ending the process.
+
+    A request carries an MPFuture whose pipe travels through its sender's resource sharer. When the sender
+    (an averager closing) exits while the DHT fetches that pipe, reading the request fails: mostly with
+    ConnectionResetError, which hivemind's loop logs and skips, but on a clean close with EOFError
+    (``multiprocessing.reduction.recvfds``), which it does not catch: the DHT process ended, and every later
+    call to it waited forever (seen in the suite). Any failure to read one request is an OSError here; the
+    pipe itself closing (EOFError from reading its bytes: the parent is gone) still ends the loop."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self._conn = conn
+
+    def recv(self) -> object:
+        buf = self._conn.recv_bytes()
+        try:
+            return ForkingPickler.loads(buf)
+        except Exception as e:
+            raise OSError(f"dropped a request that could not be read ({type(e).__name__}: {e})") from e
+
+    def __getattr__(self, name: str) -> object:  # poll, fileno, close: the connection's own
+        return getattr(self._conn, name)
+
+
 class _DHT(hivemind.DHT):
     def run(self) -> None:
         as_hivemind_child()
+        self._inner_pipe = DHTRequests(self._inner_pipe)
         super().run()
 
 
