@@ -142,9 +142,8 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
-        ids = sampler.next_batch().to(
-            device
-        )  # seq_len + 1 tokens: HF shifts the labels inside, so it predicts seq_len
+        # seq_len + 1 tokens: HF shifts the labels inside, so it predicts seq_len
+        ids = sampler.next_batch().to(device)
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         if t.grad_clip:

@@ -160,8 +160,9 @@ class DHTRequests:
     (an averager closing) exits while the DHT fetches that pipe, reading the request fails: mostly with
     ConnectionResetError, which hivemind's loop logs and skips, but on a clean close with EOFError
     (``multiprocessing.reduction.recvfds``), which it does not catch: the DHT process ends, and every later
-    call to it waits forever (the likely cause of a hang seen in the suite). Any failure to read one request is an OSError here; the
-    pipe itself closing (EOFError from reading its bytes: the parent is gone) still ends the loop."""
+    call to it waits forever (the likely cause of a hang seen in the suite). Any failure to read one request
+    is an OSError here; the pipe itself closing (EOFError from reading its bytes: the parent is gone) still
+    ends the loop."""
 
     def __init__(self, conn: multiprocessing.connection.Connection) -> None:
         self._conn = conn

@@ -65,16 +65,21 @@ class ServingAverager(hivemind.DecentralizedAverager):
     with; ``rule``: how its reducer aggregates (None: the mean)."""
 
     def __init__(
-        self, *args, swarm_key: SwarmKey | None = None, rule: AggregationRule | None = None, **kwargs
+        self,
+        averaged_tensors,
+        dht: hivemind.DHT,
+        *args,
+        swarm_key: SwarmKey | None = None,
+        rule: AggregationRule | None = None,
+        **kwargs,
     ) -> None:
         # before the process forks: the child checks callers with the key and reduces with the rule
         self.swarm_key, self.rule = swarm_key, rule
-        dht = kwargs.get("dht", args[1] if len(args) > 1 else None)
-        if dht is not None and not _running(dht):  # hivemind would ask it and wait for an answer forever
+        if not _running(dht):  # hivemind would ask it and wait for an answer forever
             raise AveragerStartError(
                 f"averager {kwargs.get('prefix')}: its DHT node's process is not running"
             )
-        super().__init__(*args, **kwargs)
+        super().__init__(averaged_tensors, dht, *args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
         # hivemind's own, with our runner (its reducer) and without auxiliary peers, which we never start
