@@ -81,6 +81,11 @@ class ServingAverager(hivemind.DecentralizedAverager):
             )
         super().__init__(averaged_tensors, dht, *args, **kwargs)
 
+    def __del__(self) -> None:
+        # refused before hivemind's __init__ ran: its __del__ would fail on the attributes that sets
+        if hasattr(self, "_parent_pid"):
+            super().__del__()
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
         # hivemind's own, with our runner (its reducer) and without auxiliary peers, which we never start
         group_id = group_info.group_id if group_id is None else group_id
