@@ -126,6 +126,19 @@ def test_merge_matches_direct_formula():
         assert torch.allclose(gu[row], want_gu, atol=1e-6) and torch.allclose(dn[row], want_dn, atol=1e-6)
 
 
+def test_merge_picks_neighbours_by_direction_and_survives_an_all_zero_expert():
+    torch.manual_seed(1)
+    e, i, h = 5, 4, 8
+    gate_up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    gate_up[3] = -7.0 * gate_up[0]  # opposite direction: the least similar, whatever its norm
+    gate_up[2, :i] = 40.0 * gate_up[0, :i] + 0.01 * torch.randn(i, h)  # expert 0's direction, far larger
+    gate_up[4] = 0.0  # zero gates: cosine 0 with everything, no NaN
+    gu, dn = merge_experts(gate_up, down, [0, 4], 0.5, 1)
+    assert torch.allclose(gu[0], gate_up[0] + 0.5 * (gate_up[2] - gate_up[0]))
+    assert torch.allclose(dn[0], down[0] + 0.5 * (down[2] - down[0]))
+    assert torch.isfinite(gu).all() and torch.isfinite(dn).all()
+
+
 def test_merge_schedule():
     assert merge_alpha_at(0, 0.5, 100) == 0.5
     assert merge_alpha_at(50, 0.5, 100) == pytest.approx(0.25)
