@@ -19,7 +19,7 @@ demo: install
 	swarm-demo --peers $(PEERS) --minutes $(MINUTES) --run-dir $(RUN_DIR)
 
 # The suite in two parts (see tests/conftest.py): the rest on three workers (most of its time is spent waiting
-# on timeouts and child processes, so three fit 2 cores: 146-156 s against 187-191 s on two), then the
+# on timeouts and child processes, so three fit 2 cores: 146-163 s against 187-191 s on two), then the
 # real-process swarms one at a time. Both parts always run; the exit status is the first failure's.
 test: install
 	@status=0; \
