@@ -50,6 +50,7 @@ def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_
     server.update({"expert3": [torch.full((8, 4), 0.4375)]}, step=110, final=False)
     got, _, failures = downloads.fetch({3: [("b", 110)]}, mine, 110, True, time.monotonic() + 1.5)
     assert got[3][0].tolist() == [[0.4375] * 4] * 8
+    assert len(failures) == 1 and "no final copy before the deadline" in failures[0], failures
 
 
 def test_from_a_holder_behind_us_only_a_copy_newer_than_ours_travels_and_it_is_waited_for_briefly():

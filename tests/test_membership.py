@@ -1,5 +1,6 @@
 """Membership on the in-memory store: views, orphan claims, withdrawal (seconds)."""
 
+import threading
 import time
 
 import pytest
@@ -82,6 +83,50 @@ class _Crashable:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
+
+
+class _Blind:
+    """A peer's store whose reads fail (no answer in time) while ``blind``, or miss every other peer's record
+    while ``partial`` (the DHT node that answered has an older copy); writes go on."""
+
+    def __init__(self, store):
+        self.store, self.blind, self.partial = store, False, False
+
+    def get_subkeys(self, key, timeout=10.0):
+        if self.blind:
+            return None
+        found = self.store.get_subkeys(key, timeout)
+        return {k: v for k, v in found.items() if k == self.store.me} if self.partial and found else found
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_done_peer_waits_for_the_others_through_failed_and_partial_reads(stores):
+    """A holder keeps serving until the others are done: a read that fails or misses a finishing peer's
+    record is no news that it is done (it would leave while that peer still downloads from it)."""
+    (store_a, me_a), (store_b, me_b) = stores
+    a_store = _Blind(store_a)
+    a = Membership(a_store, me_a, "m4", TIMING, [0], 2, orphan_grace_s=60.0)
+    b = Membership(store_b, me_b, "m4", TIMING, [1], 2, orphan_grace_s=60.0)
+    try:
+        b.set_state("finishing")
+        assert _wait(lambda: me_b in a.view.peers and a.view.peers[me_b].state == "finishing", 10)
+        a.set_state("done")
+        for fault in ("blind", "partial"):
+            setattr(a_store, fault, True)
+            started = time.monotonic()
+            a.wait_until_others_done(3 * TIMING.heartbeat_s)
+            assert time.monotonic() - started >= 3 * TIMING.heartbeat_s, fault  # waited its whole bound
+            setattr(a_store, fault, False)
+        threading.Timer(2 * TIMING.heartbeat_s, b.set_state, ("done",)).start()
+        started = time.monotonic()
+        a.wait_until_others_done(10.0)
+        waited = time.monotonic() - started
+        assert 2 * TIMING.heartbeat_s <= waited < 5.0, waited  # until b said it is done, not the bound
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_peer_that_stopped_publishing_is_silent_and_a_live_one_is_not(stores):

@@ -228,7 +228,9 @@ class ExpertDownloads:
             if left <= RETRY_S or time.monotonic() >= give_up:
                 if latest is None and not newer_only:
                     failures.append(f"{label}: no fresh copy before the deadline")
-                return latest  # the newest copy it saw, if it never got a final one
+                elif final:  # its newest copy is better than ours, but not what its other holders end with
+                    failures.append(f"{label}: no final copy before the deadline; took its newest")
+                return latest
             # only a copy worth having travels; after the last round, the first answer comes whole (the
             # newest copy, kept in case the holder never settles), then only a final one
             fresh = Fresh(items, min_step, final) if not final or latest else None

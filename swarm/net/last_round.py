@@ -114,6 +114,7 @@ def fetch_final_copies(sync, model: MoETransformer) -> tuple[list[int], list[str
     holders = {e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in frozen}
     deadline = time.monotonic() + ctx.timing.round_s
     got, rejected, failures = ctx.downloads.fetch(holders, frozen, view.step_of(ctx.me), True, deadline)
+    failures += [f"expert{e}: no holder in view for its final copy" for e, hs in holders.items() if not hs]
     with sync.copies.lock:
         for e, tensors in got.items():
             overwrite(frozen[e], tensors)

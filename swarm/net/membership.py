@@ -25,7 +25,6 @@ from swarm.net.records import (
     Heartbeat,
     expert_holders,
     publish_heartbeat,
-    read_heartbeats,
     read_records,
     withdraw_heartbeat,
 )
@@ -135,11 +134,13 @@ class Membership:
         )
 
     def wait_until_others_done(self, timeout: float) -> None:
-        """Until every other live peer says it is done (it may still download from us), at most ``timeout``."""
+        """Until every other live peer says it is done (it may still download from us), at most ``timeout``.
+        Judged by the view, not by one read: a read that times out (no records) or misses a subkey would
+        otherwise let us leave while a peer is still downloading our final copies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            beats = read_heartbeats(self.store, self.run_id, timeout=self.timing.heartbeat_s)
-            if all(hb.state == "done" for p, (hb, _) in beats.items() if p != self.me):
+            self.refresh()
+            if all(hb.state == "done" for p, hb in self.view.peers.items() if p != self.me):
                 return
             time.sleep(0.5)
 
