@@ -7,8 +7,9 @@ from swarm.model import MoETransformer
 from swarm.net.catch_up import catch_up
 from swarm.net.expert_tensors import dense_tensors, expert_tensors
 from swarm.net.group_layout import DENSE, GroupSpec, pack
+from swarm.net.joining import read_live_peers
 from swarm.net.local_transport import LocalNetwork
-from swarm.net.records import Heartbeat
+from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.sync.copy_prints import copy_print
 
 MODEL = ModelConfig(
@@ -206,3 +207,37 @@ def test_a_joiner_waits_for_the_prints_of_peers_that_have_had_a_round_only():
     caught = catch_up(net.transport("b"), "t", mine, {"a": Heartbeat(experts=[0, 1], step=10)}, timeout=8.0)
     assert caught.dense and time.monotonic() - t0 < 1.0  # "a" had no round yet: nothing to wait for
     assert all(torch.equal(x, y) for x, y in zip(dense_tensors(mine), dense_tensors(theirs), strict=True))
+
+
+class _Flaky:
+    """A store whose first ``misses`` reads fail (None) or miss every record but the caller's."""
+
+    def __init__(self, store, misses: int, partial: bool):
+        self.store, self.misses, self.partial, self.reads = store, misses, partial, 0
+
+    def get_subkeys(self, key, timeout=10.0):
+        self.reads += 1
+        if self.reads > self.misses:
+            return self.store.get_subkeys(key, timeout)
+        return {} if self.partial else None
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_joiner_reads_again_until_the_records_include_its_own():
+    """A read that timed out, or came from a DHT node without our record, may miss the training peers: a
+    joiner that claimed from it would take their experts as if it were alone."""
+    net = LocalNetwork()
+    trainer = Heartbeat(experts=[0, 1], state="training", period_s=1.0)
+    publish_heartbeat(net.store("a"), "j", "a", trainer, ttl_s=60)
+    publish_heartbeat(
+        net.store("b"), "j", "b", Heartbeat(experts=[], state="joining", period_s=1.0), ttl_s=60
+    )
+    for partial in (False, True):
+        store = _Flaky(net.store("b"), misses=2, partial=partial)
+        live = read_live_peers(store, "b", "j", timeout=1.0)
+        assert store.reads == 3 and sorted(live) == ["a", "b"] and live["a"][0].experts == [0, 1]
+    # a DHT that never answers: the joiner goes on (as if alone), after a bounded number of reads
+    store = _Flaky(net.store("b"), misses=99, partial=False)
+    assert read_live_peers(store, "b", "j", timeout=1.0, tries=2) == {} and store.reads == 2

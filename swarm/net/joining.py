@@ -14,6 +14,7 @@ and each expert from one of its holders, each checked against what the other pee
 
 from __future__ import annotations
 
+import sys
 import time
 
 import hivemind
@@ -22,7 +23,7 @@ from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.catch_up import CaughtUp
 from swarm.net.group_layout import DENSE, GroupSpec
-from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
+from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_records
 from swarm.net.transport import Store
 from swarm.sync import settle_joiners
 
@@ -35,7 +36,7 @@ def claim_experts(store: Store, me: str, cfg: RunConfig) -> tuple[list[int] | No
     joining = Heartbeat(experts=[], state="joining", period_s=hb_s)
     publish_heartbeat(store, cfg.run_id, me, joining, ttl_s=3 * hb_s)
     time.sleep(cfg.sync.join_settle_s)
-    beats = read_heartbeats(store, cfg.run_id)
+    beats = read_live_peers(store, me, cfg.run_id, timeout=10.0)
     peers = {p: hb for p, (hb, _) in beats.items() if p != me}
     if cfg.experts.local is not None:
         return None, peers
@@ -46,6 +47,24 @@ def claim_experts(store: Store, me: str, cfg: RunConfig) -> tuple[list[int] | No
         expert_holders(training, cfg.model.n_experts), joiners, cfg.model.n_experts, per_peer
     )
     return claims[me], peers
+
+
+def read_live_peers(store: Store, me: str, run_id: str, timeout: float, tries: int = 3):
+    """The live peers' records, from a read that has our own record in it: a read that timed out, or that
+    missed our record (the DHT node that answered has an older copy), may miss the others too, and a
+    joiner that sees nobody takes the experts that others already train. After ``tries`` such reads,
+    whatever the last one gave (a swarm whose DHT does not answer is joined as if empty, and said so)."""
+    found = None
+    for attempt in range(tries):
+        found = read_records(store, run_id, timeout)
+        if found is not None and me in found:
+            break
+        if attempt + 1 < tries:
+            time.sleep(RETRY_S)
+    else:
+        print(f"warning: the swarm's records were not readable in {tries} tries; claiming experts "
+              f"from what was read ({len(found or {})} peers)", file=sys.stderr)  # fmt: skip
+    return {p: rec for p, rec in (found or {}).items() if rec[0].state != "leaving"}
 
 
 def open_swarm_sync(
