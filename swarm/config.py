@@ -212,6 +212,9 @@ class SyncConfig:
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1
+    # a refresh round's downloads begin once its groups have their members (True), not with the round:
+    # on a narrow link they would otherwise queue matchmaking's messages behind the experts' copies
+    downloads_after_matchmaking: bool = False
     # how a group's contributions are combined (swarm.sync.robust_mean): "centered_trim" (and
     # "centered_clip") bound what a rogue member can do and weight every member equally; "mean" weights
     # members by their tokens and trusts them (closed swarms of peers you run yourself). Every peer of a

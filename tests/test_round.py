@@ -203,6 +203,25 @@ def test_downloads_run_while_the_groups_average():
     assert rec.sync_seconds < 1.6, rec.phase_seconds  # one second and a margin: not the two in a row
 
 
+@pytest.mark.parametrize("after_matchmaking", [False, True])
+def test_downloads_begin_with_the_round_or_once_its_groups_have_their_members(after_matchmaking):
+    """c is in view but takes no part: a's groups wait out the matchmaking window for it. With
+    ``downloads_after_matchmaking`` the downloads begin only then (on a narrow link they would hold up the
+    matchmaking messages), otherwise at once; either way they are all in by the round's end."""
+    peers = {"a": [0, 1], "b": [2, 3], "c": [2, 3]}
+    swarm = Swarm(peers, sync=SyncConfig(max_rel_distance=4.0, downloads_after_matchmaking=after_matchmaking))
+    swarm.view.peers["b"].step = 20  # asked first: c serves nothing
+    result = swarm.round({p: swarm.plan(p) for p in ("a", "b")})["a"]
+    rec = result.record
+    assert sorted(result.downloads) == [2, 3] and rec.download_failures == [], rec
+    formed = rec.phase_seconds["matchmaking"]
+    assert formed >= TIMING.matchmaking_s - 0.05, rec.phase_seconds  # waited for c
+    if after_matchmaking:
+        assert rec.downloads_began_s >= formed, (rec.downloads_began_s, rec.phase_seconds)
+    else:
+        assert rec.downloads_began_s < formed / 2, (rec.downloads_began_s, rec.phase_seconds)
+
+
 def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     swarm = Swarm(peers, faults=[Fault("partial", peer="b", round=1)])  # only b's result differs

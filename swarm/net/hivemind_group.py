@@ -146,6 +146,9 @@ class HivemindGroup:
             allow_retries=False,
         )
 
+    def formed(self, handle: StepControl) -> bool:
+        return handle.done() or handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value
+
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
         end, formed_at = time.monotonic() + timeout, None
         while True:  # in short waits, to see when the group formed (the rest is the all-reduce)

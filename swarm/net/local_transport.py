@@ -218,6 +218,9 @@ class LocalGroup:
         copies = [t.detach().clone() for t in tensors]
         return self.net.join(self.name, self.me, copies, info, scheduled, expected)
 
+    def formed(self, handle: _Formation) -> bool:
+        return time.time() >= handle.closes_at
+
     def outcome(self, handle: _Formation, timeout: float) -> GroupOutcome:
         deadline = time.monotonic() + timeout
         delay = self.net.fault("delay", self.me, handle.sent.get(self.me, (None, None))[1])

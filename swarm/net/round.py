@@ -33,7 +33,7 @@ from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
-from swarm.net.round_downloads import RoundDownloads
+from swarm.net.round_downloads import Gate, RoundDownloads
 from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
 from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads, SentPayload
@@ -135,16 +135,6 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
-    fetch = None
-    # after a last round, copies are fetched once the holders have settled them (last_round)
-    if not plan.last and plan.refresh:
-        holders = {
-            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
-        }
-        fetch = RoundDownloads.start(
-            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps
-        )
-
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     started = []
     for spec, group in plan.groups:
@@ -166,6 +156,21 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             started.append((spec, None, None))
             continue
         started.append((spec, group, (handle, payload)))
+
+    fetch = None
+    # after a last round, copies are fetched once the holders have settled them (last_round)
+    if not plan.last and plan.refresh:
+        holders = {
+            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
+        }
+        gate = None
+        if ctx.sync.downloads_after_matchmaking:
+            handles = [(g, h[0]) for _, g, h in started if h is not None]
+            ready = lambda: all(g.formed(h) for g, h in handles)  # noqa: E731
+            gate = Gate(ready, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
+        fetch = RoundDownloads.start(
+            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps, gate
+        )
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this
@@ -232,6 +237,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         got, rejected, failures = fetch.wait()
         result.downloads, rec.download_failures = got, failures
         result.download_steps = fetch.steps
+        if fetch.began_at is not None:
+            rec.downloads_began_s = round(fetch.began_at - t0, 3)
         rec.rejected += rejected
         phases.end("downloads")  # what is left of them once the groups are done
     merge_round(result, plan, ctx.sync, ctx.n_experts)

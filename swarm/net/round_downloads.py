@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ class RoundDownloads:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.steps: dict[int, int] = {}  # of the copies fetched: the step each is from
+        self.began_at: float | None = None  # monotonic: when the fetch began (past the gate, if any)
 
     @classmethod
     def start(
@@ -42,17 +43,24 @@ class RoundDownloads:
         step: int,
         deadline: float,
         held: Mapping[int, int] | None = None,
+        after: Gate | None = None,
     ) -> RoundDownloads:
-        """``held``: the step of each copy we hold (``ExpertDownloads.fetch``)."""
+        """``held``: the step of each copy we hold (``ExpertDownloads.fetch``). ``after``: begin once it
+        opens (the round's groups have their members), so that the downloads do not hold up matchmaking's
+        messages on a narrow link."""
         self = cls(downloads, deadline)
         self._thread = threading.Thread(
-            target=self._run, args=(holders, mine, step, held), name="swarm-round-downloads", daemon=True
-        )
+            target=self._run, args=(holders, mine, step, held, after), name="swarm-round-downloads",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
         return self
 
-    def _run(self, holders, mine, step: int, held) -> None:
+    def _run(self, holders, mine, step: int, held, after: Gate | None) -> None:
         try:
+            if after is not None:
+                after.wait()
+            self.began_at = time.monotonic()
             self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held)
             self.steps = dict(self.downloads.steps)
         except Exception as e:  # reported by wait(): a download must not end the round's thread
@@ -69,3 +77,25 @@ class RoundDownloads:
             else "still running past the deadline"
         )
         return {}, [], [f"downloads: {why}"[:200]]
+
+
+class Gate:
+    """Opens when ``is_open()`` says so, or at ``not_after`` (monotonic) whatever it says.
+
+    gate = Gate(lambda: all(group.formed(h) for group, h in started), not_after=t0 + matchmaking_s)
+    """
+
+    def __init__(self, is_open: Callable[[], bool], not_after: float, poll: float = 0.05) -> None:
+        self.is_open, self.not_after, self.poll = is_open, not_after, poll
+        self.opened_at: float | None = None
+
+    def wait(self) -> None:
+        while time.monotonic() < self.not_after and not self._open():
+            time.sleep(min(self.poll, max(0.0, self.not_after - time.monotonic())))
+        self.opened_at = time.monotonic()
+
+    def _open(self) -> bool:
+        try:
+            return self.is_open()
+        except Exception:  # a group whose state cannot be read holds nothing up
+            return True

@@ -88,6 +88,10 @@ class Group(Protocol):
 
     def outcome(self, handle: Any, timeout: float) -> GroupOutcome: ...
 
+    def formed(self, handle: Any) -> bool:
+        """Whether the round begun with ``handle`` has its members (or has ended): matchmaking is over."""
+        ...
+
     def serve(self, tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], meta) -> None:
         """What downloaders of this group get from us: ``tensors``, or (a serving group) what ``tensors()``
         returns when one asks, so that copies served rarely take no memory between downloads."""

@@ -37,9 +37,11 @@ class RoundRecord:
     # where the round's time went: "matchmaking" (until the first group formed: waiting for its members),
     # "allreduce" (until every group's outcome is in; "groups" for both when no group formed), "checks"
     # (publishing our digests, awaiting the others', tensor checks), "downloads" (the wait for the non-local
-    # experts' downloads after that: they run from the round's start, alongside the groups),
+    # experts' downloads after that: they run alongside the groups, from the round's start or once the groups
+    # have their members: sync.downloads_after_matchmaking),
     # "merge"
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
     wire_total: int | None = None  # our p2pd's count (both directions) at the round's end, since we started
     final_adopted: list[str] = field(default_factory=list)  # after the last round: copies replaced
     final_unsettled: list[str] = field(default_factory=list)
