@@ -6,14 +6,17 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
+from hivemind.averaging.control import StepControl
+from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
 from swarm.net.expert_download import Fresh
-from swarm.net.hivemind_group import HivemindGroup
+from swarm.net.hivemind_group import HivemindGroup, await_step
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import abs_sums, await_digests, digest, digests_agree, publish_digest
@@ -333,3 +336,35 @@ def test_a_group_whose_averager_never_gets_ready_or_whose_dht_is_gone_fails_inst
     with pytest.raises(AveragerStartError, match="DHT node's process is not running"):
         transport.open("t_dead", [torch.zeros(10)])
     assert time.monotonic() - t0 < 1.0 and set(mp.active_children()) - before == set()
+
+
+class _EndsAsTheWaitTimesOut(StepControl):
+    """A step whose result arrives just as one of our short waits times out: the race in which a success
+    used to be reported as a failure ("TimeoutError: "), leaving the partners waiting for our digest."""
+
+    def __init__(self, gathered):
+        super().__init__(time.time(), time.time() + 60, False, 1.0, b"")
+        self.attach(MPFuture(), MPFuture())  # as the averager does
+        self.gathered, self.waits = gathered, 0
+
+    def result(self, timeout=None):
+        self.waits += 1
+        if self.waits == 3 and not self.done():
+            self.set_result(self.gathered)
+            raise FutureTimeout()
+        return super().result(timeout)
+
+
+def test_a_step_that_ends_as_a_wait_times_out_is_taken_as_it_ended():
+    MPFuture()  # hivemind's futures need their backend in this process (a DHT or an averager starts it)
+    step = _EndsAsTheWaitTimesOut({"peer": b"info"})
+    gathered, formed_at, why = await_step(step, timeout=5.0, poll=0.01)
+    assert why == "" and gathered == {"peer": b"info"} and formed_at > 0 and step.waits == 4
+    failed, never = (StepControl(time.time(), time.time() + 60, False, 1.0, b"") for _ in range(2))
+    for step in (failed, never):
+        step.attach(MPFuture(), MPFuture())
+    failed.set_exception(TimeoutError("inside hivemind"))
+    assert await_step(failed, timeout=5.0) == (None, 0.0, "TimeoutError: inside hivemind")
+    t0 = time.monotonic()
+    gathered, _, why = await_step(never, timeout=0.3, poll=0.05)
+    assert gathered is None and why == "TimeoutError: no result within 0.3 s" and time.monotonic() - t0 < 2

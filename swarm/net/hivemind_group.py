@@ -150,23 +150,9 @@ class HivemindGroup:
         return handle.done() or handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value
 
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
-        end, formed_at = time.monotonic() + timeout, None
-        while True:  # in short waits, to see when the group formed (the rest is the all-reduce)
-            try:
-                gathered = handle.result(timeout=max(0.0, min(FORMED_POLL_S, end - time.monotonic())))
-                break
-            except FutureTimeout as e:
-                if handle.done():  # the step's own failure, a timeout inside hivemind
-                    return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
-                if formed_at is None and handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value:
-                    formed_at = time.monotonic()
-                if time.monotonic() < end:
-                    continue
-                handle.cancel()
-                return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
-            except Exception as e:  # cancelled, allreduce failure
-                handle.cancel()
-                return GroupOutcome(False, f"{type(e).__name__}: {e}"[:200])
+        gathered, formed_at, why = await_step(handle, timeout)
+        if why:
+            return GroupOutcome(False, why)
         if not gathered:
             return GroupOutcome(False, "no group formed")
         members = {}
@@ -188,13 +174,38 @@ class HivemindGroup:
             tensors = [t.clone() for t in self.averager._averaged_tensors]
         finally:
             lock.release()
-        return GroupOutcome(True, tensors=tensors, members=members, formed_at=formed_at or time.monotonic())
+        return GroupOutcome(True, tensors=tensors, members=members, formed_at=formed_at)
 
     def close(self) -> None:
         try:
             self.averager.shutdown()
         except Exception:
             pass
+
+
+def await_step(handle: StepControl, timeout: float, poll: float = FORMED_POLL_S) -> tuple[Any, float, str]:
+    """(what the step gathered, when its group formed (monotonic), "") or (None, 0.0, why it failed),
+    within ``timeout``. Waits in short polls to see when the group formed (the rest is the all-reduce)."""
+    end, formed_at = time.monotonic() + timeout, None
+    while True:
+        try:
+            gathered = handle.result(timeout=max(0.0, min(poll, end - time.monotonic())))
+            return gathered, formed_at or time.monotonic(), ""
+        except FutureTimeout:
+            if handle.done():  # a timeout inside hivemind, or the step ended just after our wait did: a
+                try:  # success taken for a failure would leave the partners waiting for our digest in vain
+                    return handle.result(timeout=0), formed_at or time.monotonic(), ""
+                except Exception as e:
+                    return None, 0.0, f"{type(e).__name__}: {e}"[:200]
+            if formed_at is None and handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value:
+                formed_at = time.monotonic()
+            if time.monotonic() < end:
+                continue
+            handle.cancel()
+            return None, 0.0, f"TimeoutError: no result within {timeout:.1f} s"
+        except Exception as e:  # cancelled, allreduce failure
+            handle.cancel()
+            return None, 0.0, f"{type(e).__name__}: {e}"[:200]
 
 
 def close_groups(groups: Sequence[Any], timeout: float = SHUTDOWN_S + 2.0) -> None:
