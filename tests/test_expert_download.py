@@ -136,3 +136,20 @@ def test_a_member_that_claims_experts_it_does_not_serve_is_asked_after_those_tha
     got, _, failures = downloads.fetch(holders, mine, 100, False, time.monotonic() + 8)
     assert sorted(got) == [0, 1] and failures == []  # the holder that answered is asked first now
     assert {who for _, who, _, _ in net.fetched[asked:]} == {"b"}
+
+
+def test_a_final_copy_cut_short_is_asked_for_again_until_it_comes_whole():
+    """A copy whose tensors do not split into its items (a stream cut short) is no final copy: the fetch
+    keeps asking until the whole one comes, instead of giving up on every expert it was asked for."""
+    net = LocalNetwork()
+    group = net.transport("b").open_server("t_experts")
+    meta = {"items": ["expert1", "expert3"], "steps": [100, 100], "final": [True, True]}
+    whole = [torch.full((8, 4), 0.25), torch.full((8, 4), 0.375)]
+    group.serve(whole[:1], meta)  # one tensor for two items
+    threading.Timer(1.0, group.serve, (whole, meta)).start()
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {e: [torch.full((8, 4), 0.3)] for e in (1, 3)}
+    got, rejected, failures = downloads.fetch({1: [("b", 100)], 3: [("b", 100)]}, mine, 100, True,
+                                              time.monotonic() + 5)  # fmt: skip
+    assert failures == rejected == [] and got[1][0].tolist() == [[0.25] * 4] * 8
+    assert got[3][0].tolist() == [[0.375] * 4] * 8

@@ -156,7 +156,9 @@ class ExpertDownloads:
             wanted = [e for e in wanted if e not in answer.copies]
             if not wanted:
                 return answer
-        served = self._fresh(peer, peer_step, wanted, step, final, deadline, answer.failures)
+        served = self._fresh(
+            peer, peer_step, wanted, len(mine[wanted[0]]), step, final, deadline, answer.failures
+        )
         if served is None:
             return answer
         items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
@@ -164,8 +166,9 @@ class ExpertDownloads:
         copies = {}
         for e in wanted:
             tensors = items.get(expert_item(e))
-            if tensors is None:
-                answer.failures.append(f"expert{e} from {peer[-8:]}: not served")
+            if tensors is None:  # what it served instead says why (a copy cut short, other items)
+                got = f"{len(served.tensors)} tensors for items {str(served.meta.get('items'))[:80]}"
+                answer.failures.append(f"expert{e} from {peer[-8:]}: not served ({got})")
                 continue
             # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
             copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
@@ -181,7 +184,8 @@ class ExpertDownloads:
         gets the step each new copy is from."""
         # patience as for copies: a holder serves no change until its first round after the one that made
         # our copy (downloads start with our round, and its round may start a moment later)
-        served = self._fresh(peer, peer_step, wanted, step, False, deadline, [], self.deltas_name)
+        per_item = len(mine[wanted[0]])
+        served = self._fresh(peer, peer_step, wanted, per_item, step, False, deadline, [], self.deltas_name)
         if served is None:
             return {}
         meta = served.meta
@@ -208,6 +212,7 @@ class ExpertDownloads:
         peer: str,
         peer_step: int,
         wanted: list[int],
+        per_item: int,
         step: int,
         final: bool,
         deadline: float,
@@ -257,11 +262,13 @@ class ExpertDownloads:
                 time.sleep(RETRY_S)
                 continue
             copies = [steps[expert_item(e)] for e in wanted]
+            # a copy whose tensors do not split into its items (cut short on the way) is asked for again
+            whole = set(items) <= served_items(served.meta, served.tensors, per_item).keys()
             if final:  # every peer must end with the holder's final copy, whatever the steps: wait for it
-                if all(is_final for _, is_final in copies):
+                if whole and all(is_final for _, is_final in copies):
                     return served
-                latest = served if served.tensors else latest
-            elif min_step is None or min(s for s, _ in copies) >= min_step:
+                latest = served if whole else latest
+            elif whole and (min_step is None or min(s for s, _ in copies) >= min_step):
                 return served  # fresh from this round, or from a holder behind us and newer than ours
             time.sleep(RETRY_S)
 
