@@ -20,6 +20,7 @@ training thread applies the result (theta <- theta + alpha * (a - s)).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,20 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
+    fetch, handles, all_started = None, [], threading.Event()
+    # after a last round, copies are fetched once the holders have settled them (last_round)
+    if not plan.last and plan.refresh:
+        holders = {
+            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
+        }
+        gate = None
+        if ctx.sync.downloads_after_matchmaking:  # once every group we start has its members
+            have_members = lambda: all_started.is_set() and all(g.formed(h) for g, h in handles)  # noqa: E731
+            gate = Gate(have_members, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
+        fetch = RoundDownloads.start(
+            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps, gate
+        )
+
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     started = []
     for spec, group in plan.groups:
@@ -156,21 +171,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             started.append((spec, None, None))
             continue
         started.append((spec, group, (handle, payload)))
-
-    fetch = None
-    # after a last round, copies are fetched once the holders have settled them (last_round)
-    if not plan.last and plan.refresh:
-        holders = {
-            e: [(p, view.step_of(p)) for p in view.holders.get(e, ()) if p != ctx.me] for e in plan.frozen
-        }
-        gate = None
-        if ctx.sync.downloads_after_matchmaking:
-            handles = [(g, h[0]) for _, g, h in started if h is not None]
-            ready = lambda: all(g.formed(h) for g, h in handles)  # noqa: E731
-            gate = Gate(ready, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
-        fetch = RoundDownloads.start(
-            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps, gate
-        )
+        handles.append((group, handle))
+    all_started.set()
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this
