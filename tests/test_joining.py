@@ -236,8 +236,8 @@ def test_a_joiner_reads_again_until_the_records_include_its_own():
     )
     for partial in (False, True):
         store = _Flaky(net.store("b"), misses=2, partial=partial)
-        live = read_live_peers(store, "b", "j", timeout=1.0)
+        live = read_live_peers(store, "b", "j", timeout=1.0, pause=0.05)
         assert store.reads == 3 and sorted(live) == ["a", "b"] and live["a"][0].experts == [0, 1]
     # a DHT that never answers: the joiner goes on (as if alone), after a bounded number of reads
     store = _Flaky(net.store("b"), misses=99, partial=False)
-    assert read_live_peers(store, "b", "j", timeout=1.0, tries=2) == {} and store.reads == 2
+    assert read_live_peers(store, "b", "j", timeout=1.0, tries=2, pause=0.05) == {} and store.reads == 2

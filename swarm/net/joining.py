@@ -49,7 +49,9 @@ def claim_experts(store: Store, me: str, cfg: RunConfig) -> tuple[list[int] | No
     return claims[me], peers
 
 
-def read_live_peers(store: Store, me: str, run_id: str, timeout: float, tries: int = 3):
+def read_live_peers(
+    store: Store, me: str, run_id: str, timeout: float, tries: int = 3, pause: float = RETRY_S
+):
     """The live peers' records, from a read that has our own record in it: a read that timed out, or that
     missed our record (the DHT node that answered has an older copy), may miss the others too, and a
     joiner that sees nobody takes the experts that others already train. After ``tries`` such reads,
@@ -60,7 +62,7 @@ def read_live_peers(store: Store, me: str, run_id: str, timeout: float, tries: i
         if found is not None and me in found:
             break
         if attempt + 1 < tries:
-            time.sleep(RETRY_S)
+            time.sleep(pause)
     else:
         print(f"warning: the swarm's records were not readable in {tries} tries; claiming experts "
               f"from what was read ({len(found or {})} peers)", file=sys.stderr)  # fmt: skip
