@@ -8,6 +8,8 @@ The copies a peer downloads do not depend on its own groups' results (a holder s
 gives it), so they need not wait for them: started with the round, the download phase is no longer added to
 the all-reduce's time, and a round takes the longer of the two instead of their sum. The thread ends by the
 deadline that ``ExpertDownloads.fetch`` keeps; the model's copies it reads do not change during a round.
+With ``sync.downloads_after_matchmaking`` they begin behind a ``Gate`` instead: once the round's groups have
+their members (measured at the wide WAN shape: matchmaking shorter, the all-reduce longer by about as much).
 """
 
 from __future__ import annotations
