@@ -156,12 +156,11 @@ class ExpertDownloads:
             wanted = [e for e in wanted if e not in answer.copies]
             if not wanted:
                 return answer
-        served = self._fresh(
-            peer, peer_step, wanted, len(mine[wanted[0]]), step, final, deadline, answer.failures
-        )
+        per_item = len(mine[wanted[0]])
+        served = self._fresh(peer, peer_step, wanted, per_item, step, final, deadline, answer.failures)
         if served is None:
             return answer
-        items = served_items(served.meta, served.tensors, len(mine[wanted[0]]))
+        items = served_items(served.meta, served.tensors, per_item)
         steps = served_steps(served.meta)
         copies = {}
         for e in wanted:

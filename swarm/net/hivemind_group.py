@@ -147,7 +147,7 @@ class HivemindGroup:
         )
 
     def formed(self, handle: StepControl) -> bool:
-        return handle.done() or handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value
+        return handle.done() or has_members(handle)
 
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
         gathered, formed_at, why = await_step(handle, timeout)
@@ -183,6 +183,11 @@ class HivemindGroup:
             pass
 
 
+def has_members(handle: StepControl) -> bool:
+    """Whether hivemind's step has found its group (it is past matchmaking)."""
+    return handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value
+
+
 def await_step(handle: StepControl, timeout: float, poll: float = FORMED_POLL_S) -> tuple[Any, float, str]:
     """(what the step gathered, when its group formed (monotonic), "") or (None, 0.0, why it failed),
     within ``timeout``. Waits in short polls to see when the group formed (the rest is the all-reduce)."""
@@ -197,7 +202,7 @@ def await_step(handle: StepControl, timeout: float, poll: float = FORMED_POLL_S)
                     return handle.result(timeout=0), formed_at or time.monotonic(), ""
                 except Exception as e:
                     return None, 0.0, f"{type(e).__name__}: {e}"[:200]
-            if formed_at is None and handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value:
+            if formed_at is None and has_members(handle):
                 formed_at = time.monotonic()
             if time.monotonic() < end:
                 continue

@@ -9,7 +9,7 @@ The dense weights are averaged across the peers that show up and each group of l
 same holders among those holders (``group_layout``): with ``sync.aggregation: mean`` every item weighted by
 its tokens; with a robust rule every member equally, each one's pull bounded (``robust_mean``, reduced
 inside hivemind's all-reduce: ``ruled_allreduce``). Every outcome is
-verified before it is used: each member's round info is well formed and of the same kind (last or
+verified before it is used (``round_checks``): each member's round info is well formed and of the same kind (last or
 ordinary), the weights that came back are the mean of those the members claimed, all members ended with
 the same tensors (``round_consensus``), and each tensor passes ``check_tensors``. Meanwhile non-local
 experts are downloaded from their holders (``round_downloads``; not in a last round: ``last_round``
@@ -19,10 +19,9 @@ training thread applies the result (theta <- theta + alpha * (a - s)).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,11 +32,11 @@ from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
-from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
+from swarm.net.round_checks import check_outcome, confirm_outcome, weighted
 from swarm.net.round_downloads import Gate, RoundDownloads
-from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
+from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo, common_reference
 from swarm.net.round_merge import merge_round
-from swarm.net.round_payload import Payloads, SentPayload
+from swarm.net.round_payload import Payloads
 from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
@@ -136,7 +135,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
-    fetch, handles, all_started = None, [], threading.Event()
+    fetch, started, all_started = None, [], threading.Event()
     # after a last round, copies are fetched once the holders have settled them (last_round)
     if not plan.last and plan.refresh:
         holders = {
@@ -144,20 +143,22 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         }
         gate = None
         if ctx.sync.downloads_after_matchmaking:  # once every group we start has its members
-            have_members = lambda: all_started.is_set() and all(g.formed(h) for g, h in handles)  # noqa: E731
+
+            def have_members() -> bool:  # read only once the loop below has started every group
+                return all_started.is_set() and all(g.formed(h[0]) for _, g, h in started if h is not None)
+
             gate = Gate(have_members, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
         fetch = RoundDownloads.start(
             ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps, gate
         )
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
-    started = []
     for spec, group in plan.groups:
         if plan.alone and spec.items == (DENSE,):
             started.append((spec, group, None))
             continue
         # a robust rule weights members equally: a weight is only what a member says of itself
-        weights = {item: plan.weights[item] if _weighted(ctx) else 1.0 for item in spec.items}
+        weights = {item: plan.weights[item] if weighted(ctx) else 1.0 for item in spec.items}
         try:
             payload = ctx.payloads.encode(spec, local, weights)
             ws = tuple(weights[i] for i in spec.items)
@@ -171,7 +172,6 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             started.append((spec, None, None))
             continue
         started.append((spec, group, (handle, payload)))
-        handles.append((group, handle))
     all_started.set()
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
@@ -184,7 +184,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             handle, payload = started_as
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
             outcomes_in = time.monotonic()
-        size, why, published = _checked(spec, outcome, plan, ctx, local, payload, deadline)
+        size, why, published = check_outcome(spec, outcome, plan.last, ctx, local, payload, deadline)
         if not why and _unbounded_pair(spec, size, ctx, view):
             why, published = ROBUST_PAIR, None
         checked.append((spec, group, payload, outcome, size, why, published))
@@ -197,7 +197,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None
         if published is not None:
-            got, why = _confirmed(spec, outcome, ctx, local, payload, published, deadline)
+            got, why = confirm_outcome(spec, outcome, ctx, local, payload, published, deadline)
         if got is None:
             if why == REFERENCES_DIFFER and spec.items == (DENSE,) and not ctx.payloads.reference_id(spec):
                 source = _take_reference(spec, outcome, ctx, plan.dense, deadline)
@@ -300,20 +300,7 @@ def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: Members
     would move our weights as the plain mean lets it; the round is dropped instead (an attack run had the
     honest peers' loss at 9.45 against 5.0 when groups split into pairs). Expert groups of two holders
     (r = 2) have no third member to ask: they are kept, with the checks every result passes."""
-    return not _weighted(ctx) and spec.items == (DENSE,) and size == 2 and _expected(spec, view, ctx.me) >= 3
-
-
-def _gone(ctx: RoundContext) -> Callable[[str], bool]:
-    """Whether a member has published no heartbeat for a record's lifetime: it died or lost the network
-    (a live peer publishes every period), and its digest will not come."""
-    if ctx.view_now is None:
-        return lambda peer: False
-    return lambda peer: ctx.view_now().silent_for(peer) > ctx.timing.record_ttl_s
-
-
-def _weighted(ctx: RoundContext) -> bool:
-    """Whether members are weighted by their tokens (the plain mean) or all equally (a robust rule)."""
-    return ctx.sync.aggregation == "mean"
+    return not weighted(ctx) and spec.items == (DENSE,) and size == 2 and _expected(spec, view, ctx.me) >= 3
 
 
 def _label(spec: GroupSpec) -> str:
@@ -325,82 +312,3 @@ def _serve_quietly(group, tensors, meta, rec: RoundRecord) -> None:
         group.serve(tensors, meta)
     except TimeoutError as e:  # the buffers are still locked by an all-reduce that overran: serve later
         rec.rejected.append(f"serving: {e}")
-
-
-def _checked(
-    spec: GroupSpec,
-    outcome: GroupOutcome,
-    plan: RoundPlan,
-    ctx: RoundContext,
-    local: Mapping[str, list[torch.Tensor]],
-    payload: SentPayload | None,
-    deadline: float,
-) -> tuple[int, str, tuple[str, list[float]] | None]:
-    """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
-    is published."""
-    if not outcome.ok:
-        return 1, outcome.reason, None
-    size = len(outcome.members)
-    infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
-    if any(i is None for i in infos):
-        return size, "a member sent a malformed or implausible round info", None
-    if any(i.rule != ctx.sync.aggregation for i in infos):
-        return size, "a member aggregates by another rule (sync.aggregation)", None
-    if any(i.last != plan.last for i in infos):
-        # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
-        # would end holding a copy it never had (every member sees the same infos and drops it)
-        return size, "a member was in another kind of round (last vs ordinary)", None
-    if any(i.reference != payload.reference for i in infos):
-        # deltas against different states average to nothing meaningful: every member drops the round; the
-        # most common reference stays (round_payload)
-        if payload.reference != common_reference(infos):
-            ctx.payloads.forget(spec.name)
-        return size, REFERENCES_DIFFER, None
-    tensors = outcome.tensors
-    if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
-        return size, "the averaged tensors do not match the group's items", None
-    claimed = [math.fsum(w) / size for w in zip(*(i.weights for i in infos), strict=True)]
-    if not _weighted(ctx):  # whatever a member claimed, the rule weighted everyone 1
-        claimed = [1.0] * len(spec.items)
-    for w_got, w_claimed in zip(tensors[-1].tolist(), claimed, strict=True):
-        if not abs(w_got - w_claimed) <= WEIGHT_TOLERANCE * w_claimed + 1e-6:
-            return size, "the weights averaged differ from those the members reported", None
-    key = group_key(ctx.run_id, spec.name, dict(outcome.members))
-    timeout = max(0.5, min(10.0, deadline - time.monotonic()))
-    mine = digest(tensors)
-    if not publish_digest(ctx.store, key, ctx.me, mine, timeout):
-        return size, "could not publish digest", None
-    return size, "", (key, mine)
-
-
-def _confirmed(
-    spec: GroupSpec,
-    outcome: GroupOutcome,
-    ctx: RoundContext,
-    local: Mapping[str, list[torch.Tensor]],
-    payload: SentPayload,
-    published: tuple[str, list[float]],
-    deadline: float,
-) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
-    """(averaged tensors per item, "") once every member's digest agrees and the tensors pass the checks,
-    else (None, why not)."""
-    # until the round's own deadline: a member may come to this group only after waiting on another one
-    timeout = max(0.5, deadline - time.monotonic())
-    key, mine = published
-    tolerance = ctx.payloads.codec.tolerance
-    floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
-    ok, why = await_digests(
-        ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
-        grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
-    )  # fmt: skip
-    if not ok:
-        return None, why
-    sizes = {i: len(local[i]) for i in spec.items}
-    averages, _ = ctx.payloads.decode(spec, payload, outcome.tensors, sizes)
-    try:
-        for item in spec.items:
-            check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
-    except RejectedTensor as e:
-        return None, str(e)
-    ctx.payloads.commit(spec, payload, averages, key)
-    return averages, ""

@@ -1,0 +1,118 @@
+"""Whether a group's outcome may be used: ``check_outcome`` (the members' round infos and the weights that came
+back; our digest published), then ``confirm_outcome`` (every member's digest agrees, the tensors pass
+``check_tensors``). ``run_round`` calls them for each group it started.
+
+    size, why, published = check_outcome(spec, outcome, last, ctx, local, payload, deadline)
+    averages, why = confirm_outcome(spec, outcome, ctx, local, payload, published, deadline)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from swarm.net.group_layout import GroupSpec
+from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
+from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
+from swarm.net.round_payload import SentPayload
+from swarm.net.transport import GroupOutcome
+from swarm.sync import RejectedTensor, check_tensors
+
+if TYPE_CHECKING:
+    from swarm.net.round import RoundContext
+
+
+def _gone(ctx: RoundContext) -> Callable[[str], bool]:
+    """Whether a member has published no heartbeat for a record's lifetime: it died or lost the network
+    (a live peer publishes every period), and its digest will not come."""
+    if ctx.view_now is None:
+        return lambda peer: False
+    return lambda peer: ctx.view_now().silent_for(peer) > ctx.timing.record_ttl_s
+
+
+def weighted(ctx: RoundContext) -> bool:
+    """Whether members are weighted by their tokens (the plain mean) or all equally (a robust rule)."""
+    return ctx.sync.aggregation == "mean"
+
+
+def check_outcome(
+    spec: GroupSpec,
+    outcome: GroupOutcome,
+    last: bool,
+    ctx: RoundContext,
+    local: Mapping[str, list[torch.Tensor]],
+    payload: SentPayload | None,
+    deadline: float,
+) -> tuple[int, str, tuple[str, list[float]] | None]:
+    """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
+    is published."""
+    if not outcome.ok:
+        return 1, outcome.reason, None
+    size = len(outcome.members)
+    infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
+    if any(i is None for i in infos):
+        return size, "a member sent a malformed or implausible round info", None
+    if any(i.rule != ctx.sync.aggregation for i in infos):
+        return size, "a member aggregates by another rule (sync.aggregation)", None
+    if any(i.last != last for i in infos):
+        # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
+        # would end holding a copy it never had (every member sees the same infos and drops it)
+        return size, "a member was in another kind of round (last vs ordinary)", None
+    if any(i.reference != payload.reference for i in infos):
+        # deltas against different states average to nothing meaningful: every member drops the round; the
+        # most common reference stays (round_payload)
+        if payload.reference != common_reference(infos):
+            ctx.payloads.forget(spec.name)
+        return size, REFERENCES_DIFFER, None
+    tensors = outcome.tensors
+    if len(tensors) != sum(len(local[i]) for i in spec.items) + 1:
+        return size, "the averaged tensors do not match the group's items", None
+    claimed = [math.fsum(w) / size for w in zip(*(i.weights for i in infos), strict=True)]
+    if not weighted(ctx):  # whatever a member claimed, the rule weighted everyone 1
+        claimed = [1.0] * len(spec.items)
+    for w_got, w_claimed in zip(tensors[-1].tolist(), claimed, strict=True):
+        if not abs(w_got - w_claimed) <= WEIGHT_TOLERANCE * w_claimed + 1e-6:
+            return size, "the weights averaged differ from those the members reported", None
+    key = group_key(ctx.run_id, spec.name, dict(outcome.members))
+    timeout = max(0.5, min(10.0, deadline - time.monotonic()))
+    mine = digest(tensors)
+    if not publish_digest(ctx.store, key, ctx.me, mine, timeout):
+        return size, "could not publish digest", None
+    return size, "", (key, mine)
+
+
+def confirm_outcome(
+    spec: GroupSpec,
+    outcome: GroupOutcome,
+    ctx: RoundContext,
+    local: Mapping[str, list[torch.Tensor]],
+    payload: SentPayload,
+    published: tuple[str, list[float]],
+    deadline: float,
+) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
+    """(averaged tensors per item, "") once every member's digest agrees and the tensors pass the checks,
+    else (None, why not)."""
+    # until the round's own deadline: a member may come to this group only after waiting on another one
+    timeout = max(0.5, deadline - time.monotonic())
+    key, mine = published
+    tolerance = ctx.payloads.codec.tolerance
+    floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
+    ok, why = await_digests(
+        ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
+        grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
+    )  # fmt: skip
+    if not ok:
+        return None, why
+    sizes = {i: len(local[i]) for i in spec.items}
+    averages, _ = ctx.payloads.decode(spec, payload, outcome.tensors, sizes)
+    try:
+        for item in spec.items:
+            check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
+    except RejectedTensor as e:
+        return None, str(e)
+    ctx.payloads.commit(spec, payload, averages, key)
+    return averages, ""
