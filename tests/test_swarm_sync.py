@@ -126,7 +126,7 @@ def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_r
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
     experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
     peers = {me: _peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = _run(peers, steps=24)
+    out = _run(peers, steps=36)
     for me in experts:
         started = [rec for rec in out[me] if rec.started]
         assert sum(rec.clean for rec in started) >= 2, [(rec.step, rec.rejected) for rec in started]
