@@ -67,3 +67,13 @@ def test_the_median_print_ignores_one_outlier_of_three():
     med = median_print([p, p + 0.01, -100 * p])
     assert torch.allclose(med, p, atol=0.011)
     assert torch.allclose(median_print([p, p + 1.0]), p + 0.5)
+
+
+def test_the_norm_bound_widens_with_the_steps_between_copies_up_to_a_cap():
+    from swarm.sync.copy_prints import MAX_NORM_FACTOR, NORM_FACTOR, NORM_STEPS, norm_factor
+
+    assert norm_factor(None) == norm_factor(0) == norm_factor(NORM_STEPS) == NORM_FACTOR
+    assert norm_factor(2 * NORM_STEPS) == NORM_FACTOR**2
+    assert norm_factor(100 * NORM_STEPS) == MAX_NORM_FACTOR
+    a = [torch.ones(64)]
+    assert "norm" in copy_doubt([3 * a[0]], a) and copy_doubt([3 * a[0]], a, factor=norm_factor(400)) == ""

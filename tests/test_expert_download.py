@@ -102,6 +102,29 @@ def test_a_zeroed_negated_or_scaled_copy_is_refused_and_the_next_holder_asked():
         assert torch.allclose(got[0][0].float(), later[0][0], atol=1e-2)
 
 
+def test_a_copy_many_steps_newer_may_have_grown_more_than_one_a_round_newer():
+    """On GPU peers an expert's norm grew 2-3x between copies 400-1200 steps apart: such a copy is taken,
+    while the same growth between copies a few steps apart is still refused."""
+    net = LocalNetwork()
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    g = torch.Generator().manual_seed(1)
+    mine = {e: [torch.randn(16, 8, generator=g)] for e in range(2)}
+    grown = {e: [5 * mine[e][0] + 0.5 * torch.randn(16, 8, generator=g)] for e in range(2)}  # 5x the norm
+    server = _holder(net)
+    server.update({f"expert{e}": grown[e] for e in range(2)}, step=110, final=False)
+    holders = {e: [("b", 110)] for e in range(2)}
+    got, rejected, _ = downloads.fetch(holders, mine, 110, False, time.monotonic() + 5, {0: 100, 1: 100})
+    assert got == {} and len(rejected) == 2, rejected  # 10 steps apart: too far (distance, then norm)
+    server.update({f"expert{e}": grown[e] for e in range(2)}, step=700, final=False)
+    got, rejected, _ = downloads.fetch(holders, mine, 700, False, time.monotonic() + 5, {0: 100, 1: 100})
+    assert rejected == [] and sorted(got) == [0, 1] and downloads.steps == {0: 700, 1: 700}
+    assert torch.allclose(got[0][0].float(), grown[0][0], atol=1e-2)
+    # the next copy is judged against the one just taken: 5x again within 10 steps is refused
+    server.update({f"expert{e}": [5 * got[e][0].float()] for e in range(2)}, step=710, final=False)
+    got2, rejected, _ = downloads.fetch(holders, got, 710, False, time.monotonic() + 5)
+    assert got2 == {} and len(rejected) == 2, rejected
+
+
 def test_an_expert_still_at_its_initialisation_is_judged_by_the_swarms_print():
     from swarm.sync.copy_prints import copy_print
 

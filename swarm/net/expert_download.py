@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,7 +35,7 @@ from swarm.net.group_layout import expert_item, served_items
 from swarm.net.transport import GroupTransport, Served
 from swarm.sync import RejectedTensor, check_tensors, outlying_changes, relative_change
 from swarm.sync.codecs import Codec
-from swarm.sync.copy_prints import copy_doubt, copy_print
+from swarm.sync.copy_prints import copy_doubt, copy_print, norm_factor
 
 RETRY_S = 0.5
 ATTEMPTS = 3  # holders asked in turn for one expert, at most
@@ -69,15 +69,30 @@ class ExpertDownloads:
         self._print_refs: dict[int, torch.Tensor] = {}
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
+        # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none):
+        # how far a new copy may have grown from ours (``norm_factor``)
+        self._copy_steps: dict[int, int] = {}
 
     def judge_by_prints(self, references: Mapping[int, torch.Tensor]) -> None:
         """Judge the next copies of these experts by the swarm's prints (``swarm.net.catch_up``) instead of
         by our copy, which is still the initialisation: no reference for an expert the swarm has trained."""
         self._print_refs = dict(references)
 
-    def _doubt(self, e: int, tensors: list[torch.Tensor], mine: list[torch.Tensor]) -> str:
+    def _norm_factor(self, e: int, new_step: int | None) -> float:
+        """How far a copy of expert ``e`` from ``new_step`` may be off ours in norm (``norm_factor``)."""
+        ours = self._copy_steps.get(e)
+        return norm_factor(None if ours is None or new_step is None else new_step - ours)
+
+    def _max_distance(self, e: int, new_step: int | None) -> float:
+        """``check_tensors``' bound for that copy: never tighter than the norm bound implies (the distance
+        between copies of norms 1 and f is up to f + 1)."""
+        return max(self.max_rel_distance, self._norm_factor(e, new_step) + 1.0)
+
+    def _doubt(self, e: int, tensors: list[torch.Tensor], mine: list[torch.Tensor], new_step: int) -> str:
         ref = self._print_refs.get(e)
-        return copy_doubt(tensors, mine) if ref is None else copy_doubt([copy_print(tensors)], [ref])
+        if ref is not None:
+            return copy_doubt([copy_print(tensors)], [ref])
+        return copy_doubt(tensors, mine, factor=self._norm_factor(e, new_step))
 
     def fetch(
         self,
@@ -95,6 +110,7 @@ class ExpertDownloads:
         rejected: list[str] = []
         failures: list[str] = []
         self.received, self.steps, self._held = 0, {}, dict(held or {})
+        self._copy_steps |= self._held
         # the freshest holders first, but those that gave us nothing before last: a member that claims
         # experts it does not serve (and a huge step) is asked once, then after the holders that answer
         ranked = {
@@ -129,7 +145,7 @@ class ExpertDownloads:
                 answered = bool(answer.copies or answer.rejected)
                 self._misses[peer] = 0 if answered else self._misses.get(peer, 0) + 1
                 for e in sorted(answer.copies):
-                    why = self._doubt(e, answer.copies[e], mine[e])
+                    why = self._doubt(e, answer.copies[e], mine[e], answer.steps.get(e, step))
                     if e in outliers:
                         why = f"changed {new[e]:.3g} of its norm, the fetch's median copy {median:.3g}"
                     if why:
@@ -137,6 +153,7 @@ class ExpertDownloads:
                         rejected.append(f"expert{e} from {peer[-8:]}: {why}")
                 got |= answer.copies
                 self.steps |= {e: answer.steps.get(e, step) for e in answer.copies}
+                self._copy_steps |= {e: self.steps[e] for e in answer.copies}
                 self._source |= dict.fromkeys(answer.copies, peer)
                 for e in answer.copies:
                     self._print_refs.pop(e, None)
@@ -152,7 +169,7 @@ class ExpertDownloads:
         if self.deltas_name and not final:  # the changes since our copy, where they fit it
             fits = [e for e in wanted if self._source.get(e) == peer]
             changed = self._changes(peer, peer_step, fits, mine, step, deadline, answer.steps) if fits else {}
-            answer.accept(changed, mine, self.max_rel_distance)
+            answer.accept(changed, mine, self._max_distance)
             wanted = [e for e in wanted if e not in answer.copies]
             if not wanted:
                 return answer
@@ -172,7 +189,7 @@ class ExpertDownloads:
             # fp16 on the wire, but the sender's dtype comes back: keep the fp16 values (no loss)
             copies[e] = [t.half() if t.dtype == torch.float32 else t for t in tensors]
             answer.steps[e] = steps[expert_item(e)][0] if expert_item(e) in steps else step
-        answer.accept(copies, mine, self.max_rel_distance)
+        answer.accept(copies, mine, self._max_distance)
         return answer
 
     def _changes(
@@ -281,10 +298,13 @@ class _HolderAnswer:
     rejected: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
-    def accept(self, copies: Mapping[int, list[torch.Tensor]], mine, max_rel_distance: float) -> None:
+    def accept(
+        self, copies: Mapping[int, list[torch.Tensor]], mine, max_distance: Callable[[int, int | None], float]
+    ) -> None:
+        """Keep the copies that pass ``check_tensors`` within ``max_distance(expert, its step)``."""
         for e, tensors in copies.items():
             try:
-                check_tensors(f"expert{e}", tensors, mine[e], max_rel_distance)
+                check_tensors(f"expert{e}", tensors, mine[e], max_distance(e, self.steps.get(e)))
             except RejectedTensor as err:
                 self.rejected.append(str(err))
                 continue

@@ -29,6 +29,21 @@ PRINT_VALUES = 512
 # cosine 0.3 with its successor (measured): the bounds leave room for a stale reference.
 NORM_FACTOR = 2.0
 MIN_COSINE = 0.0
+# ...but a copy many steps newer than ours may have grown more: on GPU peers (H100, 4 peers, the wide shape
+# of benchmarks/wan.py, lr 3e-3) experts' norms were 2.0-2.1x their initialisation's after 340-400 steps and
+# 3.05x after 1200, and every refresh of a copy that old was refused (it stayed at its initialisation). The
+# factor allowed grows by NORM_FACTOR every NORM_STEPS steps between the copies, up to MAX_NORM_FACTOR; the
+# direction check and the fetch's outlier check (one copy changing far more than the others) still hold.
+NORM_STEPS = 200
+MAX_NORM_FACTOR = 16.0
+
+
+def norm_factor(steps_apart: int | None) -> float:
+    """How far an honest copy ``steps_apart`` training steps newer than ours may be off in norm (None:
+    unknown, as for steps_apart <= NORM_STEPS)."""
+    if steps_apart is None or steps_apart <= NORM_STEPS:
+        return NORM_FACTOR
+    return min(MAX_NORM_FACTOR, NORM_FACTOR ** (steps_apart / NORM_STEPS))
 
 
 @functools.lru_cache(maxsize=64)
