@@ -132,7 +132,7 @@ def test_an_expert_still_at_its_initialisation_is_judged_by_the_swarms_print():
     downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
     init = {3: [torch.full((8, 4), 0.5)]}
     trained = [torch.linspace(-1.0, 2.0, 32).reshape(8, 4)]  # far from the initialisation: no change of it
-    downloads.judge_by_prints({3: copy_print(trained)})
+    downloads.judge_by_prints({3: (copy_print(trained), None)})
     server = _holder(net)
     server.update({"expert3": [-trained[0]]}, step=100, final=False)
     got, rejected, _ = downloads.fetch({3: [("b", 100)]}, init, 100, False, time.monotonic() + 5)

@@ -7,7 +7,7 @@ copy checked against what the other peers hold.
     caught.dense, caught.experts         # what was taken
     caught.copy_steps, caught.from_init  # the step of each copy taken; experts no valid copy exists of
     caught.reference                     # with a lossy codec: the dense weights the peers' changes are against
-    caught.unverified                    # {expert: the swarm's print} for experts still at the initialisation
+    caught.unverified                    # {expert: (the swarm's print, its step)} for experts still at the init
 
 An expert outlives its holders: every peer serves its copies of the experts it does not train, each with
 the step it is from (``CopyServer``); an expert that no live holder gives us is taken from the peer with
@@ -16,8 +16,9 @@ initialisation, and the catch-up line says so.
 
 Every peer serves, with its dense weights, prints of every copy it holds (``served_prints``): before
 anything is taken, the joiner asks the peers for them (metadata only). A copy offered by one peer is
-compared with the median print of the others (``copy_doubt``): a negated, zeroed or scaled copy is
-refused and the next peer's taken instead. Where no other peer serves a print (a swarm of one, or a
+compared with the median print of the others (``PrintViews.doubt``): a negated, zeroed or scaled copy is
+refused and the next peer's taken instead; how far its norm may be off grows with the steps between it and
+the printed copies. Where no other peer serves a print (a swarm of one, or a
 round under way everywhere), a copy passes the shape and finiteness checks only. What cannot be taken
 keeps the shared initialisation, and the swarm's print of it is kept for the first download to be judged
 by (``ExpertDownloads.judge_by_prints``): the initialisation is no reference for a trained expert.
@@ -37,9 +38,8 @@ from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat
 from swarm.net.round_info import MAX_REFERENCE
-from swarm.net.served_prints import gather_metadata, gather_prints, reference_print
+from swarm.net.served_prints import PrintViews, gather_metadata, gather_prints
 from swarm.net.transport import GroupTransport
-from swarm.sync.copy_prints import copy_doubt, copy_print
 
 RETRY_S = 1.0
 PRINTS_S = 10.0  # how long to wait for the prints of peers that have had a round but did not answer
@@ -55,7 +55,7 @@ class CaughtUp:
     dense: bool
     experts: int
     reference: tuple[str, list[torch.Tensor]] | None = None
-    unverified: dict[int, torch.Tensor] = field(default_factory=dict)
+    unverified: dict[int, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)  # why offered copies were not taken
     copy_steps: dict[int, int] = field(default_factory=dict)  # expert -> the step of the copy taken
     from_init: list[int] = field(default_factory=list)  # experts of which no copy exists in the swarm
@@ -72,21 +72,16 @@ def _valid(tensors: list[torch.Tensor] | None, like: list[torch.Tensor]) -> bool
     )
 
 
-def _doubt(views, item: str, peer: str, tensors: list[torch.Tensor]) -> str:
-    ref = reference_print(views, item, exclude=peer)
-    return "" if ref is None else copy_doubt([copy_print(tensors)], [ref])
-
-
-def _gather(transport: GroupTransport, name: str, peers: list[str], timeout: float) -> dict:
+def _gather(transport: GroupTransport, name: str, peers: list[str], timeout: float) -> PrintViews:
     """Prints of as many peers as answer within ``timeout``; enough once ENOUGH_VIEWS have."""
-    views, deadline = {}, time.monotonic() + timeout
+    views, deadline = PrintViews(), time.monotonic() + timeout
     while True:
-        asked = [p for p in peers if not views.get(p)]
+        asked = [p for p in peers if not views.prints.get(p)]
         left = deadline - time.monotonic()
         if not asked or left <= 0:
             return views
         views |= gather_prints(transport, name, asked, max(0.5, min(5.0, left)))
-        if sum(1 for v in views.values() if v) >= min(len(peers), ENOUGH_VIEWS):
+        if sum(1 for v in views.prints.values() if v) >= min(len(peers), ENOUGH_VIEWS):
             return views
         time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
 
@@ -122,7 +117,7 @@ def catch_up(
     kept_note = f"; experts {kept} kept as checkpointed (no newer copy in the swarm)"
     print(
         f"caught up with the swarm: dense {'fetched' if dense else 'not available'}, "
-        f"{len(taken)}/{model.cfg.n_experts} experts fetched (checked against {len(views)} peers' prints)"
+        f"{len(taken)}/{model.cfg.n_experts} experts fetched (checked against {len(views.prints)} peers' prints)"
         + "".join(f"; refused {why}" for why in refused)
         + (kept_note if kept else "")
         + (init_note if from_init else ""),
@@ -130,9 +125,8 @@ def catch_up(
     )
     unverified = {}  # the swarm's view of an expert we could not take, to judge our first download of it by
     for e in (e for e in from_init if e not in model.local_experts):
-        trusted = {p: v for p, v in views.items() if p not in doubted.get(e, ())}
-        ref = reference_print(trusted, expert_item(e), exclude="")
-        if ref is not None:
+        ref = views.without(doubted.get(e, set())).reference(expert_item(e), exclude="")
+        if ref[0] is not None:
             unverified[e] = ref
     return CaughtUp(dense, len(taken), reference, unverified, refused, taken, from_init)
 
@@ -147,7 +141,8 @@ def _take_dense(transport, spec, model, by_step, views, deadline, refused) -> tu
             got = None if served is None else served_dense(spec, served.meta, served.tensors, len(like))
             if not _valid(got, like):
                 continue
-            why = _doubt(views, DENSE, peer, got)
+            step = served.meta.get("step")
+            why = views.doubt(DENSE, peer, got, step if type(step) is int else None)
             if why:
                 refused.append(f"the dense weights of {peer[-8:]}: {why}")
                 candidates.remove(peer)
@@ -214,7 +209,7 @@ def _take_served(served, wanted, peer, model, views, held, per_expert, refusals)
         step = steps.get(expert_item(e), (0, False))[0]
         if not _valid(got, like) or step <= held.get(e, -1):
             continue
-        why = _doubt(views, expert_item(e), peer, got)
+        why = views.doubt(expert_item(e), peer, got, step)
         if why:
             refusals[0].append(f"expert{e} from {peer[-8:]}: {why}")
             refusals[1].setdefault(e, set()).add(peer)

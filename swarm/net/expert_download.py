@@ -65,17 +65,17 @@ class ExpertDownloads:
         self.steps: dict[int, int] = {}  # of the copies the last ``fetch`` returned: the step each is from
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
         self._received_lock = threading.Lock()  # holders are asked from threads of their own
-        # expert -> the swarm's print, while our copy is no reference for it (``judge_by_prints``)
-        self._print_refs: dict[int, torch.Tensor] = {}
+        # expert -> (the swarm's print, its step), while our copy is no reference for it (``judge_by_prints``)
+        self._print_refs: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
         # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none):
         # how far a new copy may have grown from ours (``norm_factor``)
         self._copy_steps: dict[int, int] = {}
 
-    def judge_by_prints(self, references: Mapping[int, torch.Tensor]) -> None:
-        """Judge the next copies of these experts by the swarm's prints (``swarm.net.catch_up``) instead of
-        by our copy, which is still the initialisation: no reference for an expert the swarm has trained."""
+    def judge_by_prints(self, references: Mapping[int, tuple[torch.Tensor, int | None]]) -> None:
+        """Judge the next copies of these experts by the swarm's prints and their steps (``catch_up``)
+        instead of by our copy, which is still the initialisation: no reference for a trained expert."""
         self._print_refs = dict(references)
 
     def _norm_factor(self, e: int, new_step: int | None) -> float:
@@ -89,9 +89,10 @@ class ExpertDownloads:
         return max(self.max_rel_distance, self._norm_factor(e, new_step) + 1.0)
 
     def _doubt(self, e: int, tensors: list[torch.Tensor], mine: list[torch.Tensor], new_step: int) -> str:
-        ref = self._print_refs.get(e)
-        if ref is not None:
-            return copy_doubt([copy_print(tensors)], [ref])
+        if e in self._print_refs:
+            ref, ref_step = self._print_refs[e]
+            apart = None if ref_step is None else new_step - ref_step
+            return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart))
         return copy_doubt(tensors, mine, factor=self._norm_factor(e, new_step))
 
     def fetch(

@@ -31,6 +31,7 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils import MSGPackSerializer
 
 from swarm.net.dht_node import hivemind_child_signals
+from swarm.net.served_prints import kept_prints
 from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy
 from swarm.net.transport import GroupOutcome
 from swarm.sync.robust_mean import AggregationRule
@@ -94,7 +95,7 @@ class HivemindGroup:
             # while nothing is served, the prints of the last copy still are (``served_prints``): a joiner
             # must not find every peer mute because each happens to be in a round
             if "prints" in meta:
-                self._prints = {"prints": meta["prints"]}
+                self._prints = kept_prints(meta)
             self.averager.served = (dict(meta), tensors)
             # under the lock: announcements arrive in the order of the copies
             self.averager.announce(meta if meta else self._prints)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from swarm.net.served_prints import kept_prints
 from swarm.net.transport import GroupOutcome, Served, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
 from swarm.sync.robust_mean import AggregationRule
@@ -214,7 +215,7 @@ class LocalGroup:
         with self.net.lock:  # like hivemind's buffers: nothing served while a round runs, but the prints
             before = self.net.served.pop((self.me, self.name), None)
             if before is not None and "prints" in before.meta:
-                self.net.served[(self.me, self.name)] = Served({"prints": before.meta["prints"]}, [])
+                self.net.served[(self.me, self.name)] = Served(kept_prints(before.meta), [])
         copies = [t.detach().clone() for t in tensors]
         return self.net.join(self.name, self.me, copies, info, scheduled, expected)
 

@@ -34,8 +34,9 @@ MIN_COSINE = 0.0
 # 3.05x after 1200, and every refresh of a copy that old was refused (it stayed at its initialisation). The
 # factor allowed grows by NORM_FACTOR every NORM_STEPS steps between the copies, up to MAX_NORM_FACTOR; the
 # direction check and the fetch's outlier check (one copy changing far more than the others) still hold.
+# Steps are what the peers say: the cap bounds what a holder that claims a huge step gains by it.
 NORM_STEPS = 200
-MAX_NORM_FACTOR = 16.0
+MAX_NORM_FACTOR = 8.0
 
 
 def norm_factor(steps_apart: int | None) -> float:
