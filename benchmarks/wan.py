@@ -16,7 +16,8 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   model's fp32 bytes (a butterfly sends and receives 2(n-1)/n of it);
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
-  ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``);
+  ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``), and
+  ``check_s`` where its checks' went (``RoundRecord.check_seconds``);
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -149,6 +150,7 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) -> dict:
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
     phases: dict[str, list[float]] = {}
+    checks: dict[str, list[float]] = {}
     for i in range(n):
         recs = read_jsonl(run / f"peer{i}" / "metrics.jsonl")
         rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
@@ -163,6 +165,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         for r in ordinary:
             for phase, s in r.phase_seconds.items():
                 phases.setdefault(phase, []).append(s)
+            for part, s in r.check_seconds.items():
+                checks.setdefault(part, []).append(s)
         moved = sum(a - b for a, b in zip(after[i], before[i], strict=True))
         link.append(moved / max(1, len(ordinary)))
         for line in (run / f"peer{i}.log").read_text().splitlines():
@@ -180,6 +184,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         "round_vs_link": round(statistics.median(link_s), 3) if link_s else None,
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
+        "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,
@@ -236,6 +241,7 @@ def print_table(rows: list[dict], args) -> None:
 
     for r in rows:
         phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
+        phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
         print(f"{r['shape']:6} {r['codec']:5} {mb(r['bytes_per_round']):>9} {mb(r['round_bytes']):>9} "
               f"{r['link_bytes_per_round'] / 1e6:>8.1f} {r['bytes_ratio'] or float('nan'):>6.3f} "
               f"{r['round_s'] or float('nan'):>8.1f} {r['round_vs_link'] or float('nan'):>10.2f} "

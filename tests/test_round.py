@@ -112,6 +112,9 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
         phases = rec.phase_seconds  # where the time went, adding up to the round's
         assert list(phases) == ["matchmaking", "allreduce", "checks", "downloads", "merge"], phases
         assert abs(sum(phases.values()) - rec.sync_seconds) < 0.01 and min(phases.values()) >= 0
+        checks = rec.check_seconds  # within the checks (and, for all but the last group, the all-reduce)
+        assert sorted(checks) == ["await", "publish", "serve", "verify"] and min(checks.values()) >= 0
+        assert sum(checks.values()) <= phases["checks"] + phases["allreduce"] + 0.01, (checks, phases)
         for got, want in zip(results[p].dense[1], want_dense, strict=True):
             assert torch.allclose(got, want, atol=1e-6)
         for e in experts[p]:
@@ -189,6 +192,7 @@ def test_a_silent_member_whose_heartbeat_stopped_is_not_awaited_until_the_deadli
         assert rec.phase_seconds["checks"] < TIMING.round_s / 3, rec.phase_seconds
     else:
         assert rec.phase_seconds["checks"] > TIMING.round_s / 2, rec.phase_seconds
+        assert rec.check_seconds["await"] > TIMING.round_s / 2, rec.check_seconds  # the wait is for digests
 
 
 def test_downloads_run_while_the_groups_average():

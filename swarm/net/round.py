@@ -32,7 +32,7 @@ from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
-from swarm.net.round_checks import check_outcome, confirm_outcome, weighted
+from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
 from swarm.net.round_downloads import Gate, RoundDownloads
 from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo, common_reference
 from swarm.net.round_merge import merge_round
@@ -184,7 +184,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             handle, payload = started_as
             outcome = group.outcome(handle, timeout=max(0.1, deadline - time.monotonic()))
             outcomes_in = time.monotonic()
-        size, why, published = check_outcome(spec, outcome, plan.last, ctx, local, payload, deadline)
+        size, why, published = check_outcome(
+            spec, outcome, plan.last, ctx, local, payload, deadline, rec.check_seconds
+        )
         if not why and _unbounded_pair(spec, size, ctx, view):
             why, published = ROBUST_PAIR, None
         checked.append((spec, group, payload, outcome, size, why, published))
@@ -197,7 +199,9 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None
         if published is not None:
-            got, why = confirm_outcome(spec, outcome, ctx, local, payload, published, deadline)
+            got, why = confirm_outcome(
+                spec, outcome, ctx, local, payload, published, deadline, rec.check_seconds
+            )
         if got is None:
             if why == REFERENCES_DIFFER and spec.items == (DENSE,) and not ctx.payloads.reference_id(spec):
                 source = _take_reference(spec, outcome, ctx, plan.dense, deadline)
@@ -210,6 +214,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             wire = sum(codec.wire_bytes(t.numel()) for i in spec.items for t in local[i])
             sent += int(2 * wire * (size - 1) / size)
             rec.members[_label(spec)] = sorted(p[-6:] for p in outcome.members)
+        serving_from = time.monotonic()
         copies = {i: averaged.get(i, local[i]) for i in spec.items}  # a failed item serves its snapshot
         if spec.items == (DENSE,):
             rec.dense_group = size
@@ -227,6 +232,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
             if plan.refresh:
                 ctx.server.update(copies, plan.step, final=False)
+        add_time(rec.check_seconds, "serve", serving_from)
     phases.end("checks")
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])

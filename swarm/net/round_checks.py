@@ -2,8 +2,9 @@
 back; our digest published), then ``confirm_outcome`` (every member's digest agrees, the tensors pass
 ``check_tensors``). ``run_round`` calls them for each group it started.
 
-    size, why, published = check_outcome(spec, outcome, last, ctx, local, payload, deadline)
-    averages, why = confirm_outcome(spec, outcome, ctx, local, payload, published, deadline)
+    spent = {}                                       # seconds per sub-step, summed (``RoundRecord.check_seconds``)
+    size, why, published = check_outcome(spec, outcome, last, ctx, local, payload, deadline, spent)
+    averages, why = confirm_outcome(spec, outcome, ctx, local, payload, published, deadline, spent)
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def _gone(ctx: RoundContext) -> Callable[[str], bool]:
     return lambda peer: ctx.view_now().silent_for(peer) > ctx.timing.record_ttl_s
 
 
+def add_time(spent: dict[str, float] | None, step: str, since: float) -> float:
+    """Add the seconds since ``since`` to ``spent[step]``; returns now."""
+    now = time.monotonic()
+    if spent is not None:
+        spent[step] = round(spent.get(step, 0.0) + now - since, 3)
+    return now
+
+
 def weighted(ctx: RoundContext) -> bool:
     """Whether members are weighted by their tokens (the plain mean) or all equally (a robust rule)."""
     return ctx.sync.aggregation == "mean"
@@ -47,9 +56,17 @@ def check_outcome(
     local: Mapping[str, list[torch.Tensor]],
     payload: SentPayload | None,
     deadline: float,
+    spent: dict[str, float] | None = None,
 ) -> tuple[int, str, tuple[str, list[float]] | None]:
     """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
-    is published."""
+    is published (``spent["publish"]``: the seconds this took)."""
+    t0 = time.monotonic()
+    size, why, published = _check_outcome(spec, outcome, last, ctx, local, payload, deadline)
+    add_time(spent, "publish", t0)
+    return size, why, published
+
+
+def _check_outcome(spec, outcome, last, ctx, local, payload, deadline):
     if not outcome.ok:
         return 1, outcome.reason, None
     size = len(outcome.members)
@@ -93,9 +110,11 @@ def confirm_outcome(
     payload: SentPayload,
     published: tuple[str, list[float]],
     deadline: float,
+    spent: dict[str, float] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor]] | None, str]:
     """(averaged tensors per item, "") once every member's digest agrees and the tensors pass the checks,
-    else (None, why not)."""
+    else (None, why not). ``spent``: seconds added to "await" (the others' digests) and "verify"."""
+    t = time.monotonic()
     # until the round's own deadline: a member may come to this group only after waiting on another one
     timeout = max(0.5, deadline - time.monotonic())
     key, mine = published
@@ -105,6 +124,7 @@ def confirm_outcome(
         ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
         grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
     )  # fmt: skip
+    t = add_time(spent, "await", t)
     if not ok:
         return None, why
     sizes = {i: len(local[i]) for i in spec.items}
@@ -113,6 +133,8 @@ def confirm_outcome(
         for item in spec.items:
             check_tensors(item, averages[item], local[item], ctx.sync.max_rel_distance)
     except RejectedTensor as e:
+        add_time(spent, "verify", t)
         return None, str(e)
     ctx.payloads.commit(spec, payload, averages, key)
+    add_time(spent, "verify", t)
     return averages, ""
