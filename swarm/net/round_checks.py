@@ -59,14 +59,7 @@ def check_outcome(
     spent: dict[str, float] | None = None,
 ) -> tuple[int, str, tuple[str, list[float]] | None]:
     """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
-    is published (``spent["publish"]``: the seconds this took)."""
-    t0 = time.monotonic()
-    size, why, published = _check_outcome(spec, outcome, last, ctx, local, payload, deadline)
-    add_time(spent, "publish", t0)
-    return size, why, published
-
-
-def _check_outcome(spec, outcome, last, ctx, local, payload, deadline):
+    is published (``spent``: seconds added to "digest", computing it, and "publish", storing it)."""
     if not outcome.ok:
         return 1, outcome.reason, None
     size = len(outcome.members)
@@ -96,8 +89,12 @@ def _check_outcome(spec, outcome, last, ctx, local, payload, deadline):
             return size, "the weights averaged differ from those the members reported", None
     key = group_key(ctx.run_id, spec.name, dict(outcome.members))
     timeout = max(0.5, min(10.0, deadline - time.monotonic()))
+    t = time.monotonic()
     mine = digest(tensors)
-    if not publish_digest(ctx.store, key, ctx.me, mine, timeout):
+    t = add_time(spent, "digest", t)
+    published = publish_digest(ctx.store, key, ctx.me, mine, timeout)
+    add_time(spent, "publish", t)
+    if not published:
         return size, "could not publish digest", None
     return size, "", (key, mine)
 

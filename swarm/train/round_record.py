@@ -41,10 +41,10 @@ class RoundRecord:
     # have their members: sync.downloads_after_matchmaking),
     # "merge"
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    # what the checks took, summed over the round's groups: "publish" (the outcome's checks, our digest
-    # computed and stored; with several groups, all but the last group's fall in "allreduce"), "await" (the
-    # other members' digests), "verify" (decoding, tensor checks, commit), "serve" (our new copies handed to
-    # the groups that serve them)
+    # what the checks took, summed over the round's groups: "digest" (ours computed) and "publish" (stored
+    # in the DHT; with several groups, all but the last group's fall in "allreduce"), "await" (the other
+    # members' digests), "verify" (decoding, tensor checks, commit), "serve" (our new copies handed to the
+    # groups that serve them)
     check_seconds: dict[str, float] = field(default_factory=dict)
     downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
     wire_total: int | None = None  # our p2pd's count (both directions) at the round's end, since we started
