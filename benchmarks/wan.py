@@ -241,7 +241,8 @@ def print_table(rows: list[dict], args) -> None:
 
     for r in rows:
         phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
-        phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
+        if r["check_s"]:
+            phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
         print(f"{r['shape']:6} {r['codec']:5} {mb(r['bytes_per_round']):>9} {mb(r['round_bytes']):>9} "
               f"{r['link_bytes_per_round'] / 1e6:>8.1f} {r['bytes_ratio'] or float('nan'):>6.3f} "
               f"{r['round_s'] or float('nan'):>8.1f} {r['round_vs_link'] or float('nan'):>10.2f} "

@@ -122,7 +122,7 @@ class PrintViews:
 
     def reference(self, item: str, exclude: str) -> tuple[torch.Tensor | None, int | None]:
         """(the median of the prints of ``item`` that peers other than ``exclude`` serve, the median step of
-        those prints, None where a peer gave none); (None, None) if no peer serves a print of it."""
+        those prints or None if one of them came without a step); (None, None) if no peer serves one."""
         peers = [p for p, v in self.prints.items() if p != exclude and item in v]
         if not peers:
             return None, None
