@@ -161,7 +161,9 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         transport = HivemindTransport(dht, Timing.from_config(cfg.sync), max_copy_bytes=bound)
         # a peer resumed from a checkpoint holds its experts as of its step: only newer copies replace them
         held = {e: trainer.step for e in trainer.model.local_experts} if trainer.step > 0 else {}
-        caught_up = catch_up(transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s, held)
+        caught_up = catch_up(
+            transport, cfg.run_id, trainer.model, peers, cfg.sync.download_timeout_s, held, cfg.train.lr
+        )
         trainer.evaluate_at_start = trainer.step > 0
     print(
         f"peer {me[-12:]} joined run {cfg.run_id!r}: experts {trainer.model.local_experts}, "

@@ -69,11 +69,21 @@ def test_the_median_print_ignores_one_outlier_of_three():
     assert torch.allclose(median_print([p, p + 1.0]), p + 0.5)
 
 
-def test_the_norm_bound_widens_with_the_steps_between_copies_up_to_a_cap():
-    from swarm.sync.copy_prints import MAX_NORM_FACTOR, NORM_FACTOR, NORM_STEPS, norm_factor
+def test_the_norm_bound_is_what_adamw_steps_at_the_learning_rate_could_do_within_a_floor_and_a_cap():
+    from swarm.sync.copy_prints import MAX_NORM_FACTOR, NORM_FACTOR, norm_factor, rms
 
-    assert norm_factor(None) == norm_factor(0) == norm_factor(NORM_STEPS) == NORM_FACTOR
-    assert norm_factor(2 * NORM_STEPS) == NORM_FACTOR**2
-    assert norm_factor(100 * NORM_STEPS) == MAX_NORM_FACTOR
+    assert (
+        norm_factor(None, 3e-3, 0.02)
+        == norm_factor(0, 3e-3, 0.02)
+        == norm_factor(400, None, 0.02)
+        == NORM_FACTOR
+    )
+    assert norm_factor(10, 3e-3, 0.1) == NORM_FACTOR  # 1.3: within the floor
+    assert abs(norm_factor(100, 1e-3, 0.05) - 3.0) < 1e-9  # 100 steps of at most 1e-3 on values of RMS 0.05
+    assert norm_factor(400, 3e-3, 0.02) == MAX_NORM_FACTOR  # near the initialisation: the cap
+    assert abs(rms([torch.full((4, 4), 3.0), torch.full((2,), -3.0)]) - 3.0) < 1e-6
     a = [torch.ones(64)]
-    assert "norm" in copy_doubt([3 * a[0]], a) and copy_doubt([3 * a[0]], a, factor=norm_factor(400)) == ""
+    assert (
+        "norm" in copy_doubt([3 * a[0]], a)
+        and copy_doubt([3 * a[0]], a, factor=norm_factor(400, 0.01, 1.0)) == ""
+    )

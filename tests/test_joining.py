@@ -158,7 +158,7 @@ def test_a_holders_copy_may_have_grown_more_than_the_others_older_copies_the_mor
             "a": Heartbeat(experts=[0, 1], step=10, last_round=1),
             "c": Heartbeat(experts=[2, 3], step=step, last_round=1),
         }
-        caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0)
+        caught = catch_up(net.transport("b"), "t", mine, peers, timeout=3.0, lr=1e-2)
         norm = [w for w in caught.refused if "norm" in w]
         assert (caught.experts == 4 and norm == []) if taken else (caught.experts == 2 and len(norm) == 2), (
             step,

@@ -26,6 +26,7 @@ by (``ExpertDownloads.judge_by_prints``): the initialisation is no reference for
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,9 +94,11 @@ def catch_up(
     peers: dict[str, Heartbeat],
     timeout: float,
     held: dict[int, int] | None = None,
+    lr: float | None = None,
 ) -> CaughtUp:
     """See the module docstring. ``held``: the step of the copies we hold of some experts (a peer resumed
-    from a checkpoint holds its own experts as of that step): only newer copies replace them."""
+    from a checkpoint holds its own experts as of that step): only newer copies replace them. ``lr``: the
+    peers' peak learning rate, which bounds how far a copy may have grown since the printed ones."""
     held = held or {}
     by_step = sorted(peers, key=lambda p: -peers[p].step)[:ASKED]
     spec = GroupSpec(f"{run_id}_dense", (DENSE,))
@@ -105,6 +108,7 @@ def catch_up(
     views = _gather(transport, spec.name, serving, min(PRINTS_S, timeout / 2))
     refused: list[str] = []
     doubted: dict[int, set[str]] = {}  # expert -> the peers whose copy of it we refused
+    views = dataclasses.replace(views, lr=lr)
     dense, reference = _take_dense(transport, spec, model, by_step, views, deadline, refused)
     taken = _take_experts(transport, run_id, model, peers, views, timeout, (refused, doubted))
     missing = sorted(set(range(model.cfg.n_experts)) - set(taken))

@@ -1,6 +1,6 @@
 """Refreshing non-local experts from their holders during a round.
 
-    downloads = ExpertDownloads(transport, server_name, download_s=30.0, max_rel_distance=4.0)
+    downloads = ExpertDownloads(transport, server_name, download_s=30.0, max_rel_distance=4.0, lr=3e-3)
     got, rejected, failures = downloads.fetch({5: [(peer, step)], ...}, mine, step=100, final=False, deadline=t)
 
 Each holder serves its local experts under one name (``<run>_experts``): one request brings every expert a
@@ -35,7 +35,7 @@ from swarm.net.group_layout import expert_item, served_items
 from swarm.net.transport import GroupTransport, Served
 from swarm.sync import RejectedTensor, check_tensors, outlying_changes, relative_change
 from swarm.sync.codecs import Codec
-from swarm.sync.copy_prints import copy_doubt, copy_print, norm_factor
+from swarm.sync.copy_prints import copy_doubt, copy_print, norm_factor, rms
 
 RETRY_S = 0.5
 ATTEMPTS = 3  # holders asked in turn for one expert, at most
@@ -57,8 +57,11 @@ class ExpertDownloads:
         download_s: float,
         max_rel_distance: float,
         changes: tuple[str, Codec] | None = None,
+        lr: float | None = None,
     ) -> None:
-        self.transport, self.server_name = transport, server_name
+        """``lr``: the peers' peak learning rate, which bounds how far a copy newer than ours may have
+        grown (``norm_factor``; None: not at all)."""
+        self.transport, self.server_name, self.lr = transport, server_name, lr
         self.deltas_name, self.codec = changes if changes else (None, None)
         self.download_s, self.max_rel_distance = download_s, max_rel_distance
         self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
@@ -69,9 +72,10 @@ class ExpertDownloads:
         self._print_refs: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
-        # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none):
-        # how far a new copy may have grown from ours (``norm_factor``)
+        # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none),
+        # and of the current fetch the RMS value of each: how far a new copy may have grown (``norm_factor``)
         self._copy_steps: dict[int, int] = {}
+        self._rms: dict[int, float] = {}
 
     def judge_by_prints(self, references: Mapping[int, tuple[torch.Tensor, int | None]]) -> None:
         """Judge the next copies of these experts by the swarm's prints and their steps (``catch_up``)
@@ -81,7 +85,9 @@ class ExpertDownloads:
     def _norm_factor(self, e: int, new_step: int | None) -> float:
         """How far a copy of expert ``e`` from ``new_step`` may be off ours in norm (``norm_factor``)."""
         ours = self._copy_steps.get(e)
-        return norm_factor(None if ours is None or new_step is None else new_step - ours)
+        return norm_factor(
+            None if ours is None or new_step is None else new_step - ours, self.lr, self._rms[e]
+        )
 
     def _max_distance(self, e: int, new_step: int | None) -> float:
         """``check_tensors``' bound for that copy: never tighter than the norm bound implies (the distance
@@ -92,7 +98,7 @@ class ExpertDownloads:
         if e in self._print_refs:
             ref, ref_step = self._print_refs[e]
             apart = None if ref_step is None else new_step - ref_step
-            return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart))
+            return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart, self.lr, rms([ref])))
         return copy_doubt(tensors, mine, factor=self._norm_factor(e, new_step))
 
     def fetch(
@@ -112,6 +118,7 @@ class ExpertDownloads:
         failures: list[str] = []
         self.received, self.steps, self._held = 0, {}, dict(held or {})
         self._copy_steps |= self._held
+        self._rms = {e: rms(mine[e]) for e in holders if e in mine}
         # the freshest holders first, but those that gave us nothing before last: a member that claims
         # experts it does not serve (and a huge step) is asked once, then after the holders that answer
         ranked = {

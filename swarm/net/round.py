@@ -110,7 +110,9 @@ class RoundContext:
         deltas = None if codec.lossless else transport.open_server(f"{cfg.run_id}_expert_deltas", codec)
         server = ExpertServer(transport.open_server(name), deltas, codec)
         changes = (deltas.name, codec) if deltas else None
-        downloads = ExpertDownloads(transport, name, timing.download_s, cfg.sync.max_rel_distance, changes)
+        downloads = ExpertDownloads(
+            transport, name, timing.download_s, cfg.sync.max_rel_distance, changes, cfg.train.lr
+        )
         return cls(
             cfg.run_id, transport.me, store, timing, cfg.sync, cfg.model.n_experts, OpenGroups(transport),
             server, downloads, Payloads(codec, cfg.sync.error_feedback),

@@ -4,6 +4,7 @@ peer gives it against what the others hold.
     meta |= served_prints(dense, {e: expert_tensors(model, e) for e in range(E)}, steps)  # ~1 KB each
     # meta["prints"]: {item: print bytes}; meta["print_steps"]: {item: the step that copy is from}
     views = gather_prints(transport, "demo_dense", peers, timeout=5.0)   # PrintViews, metadata only
+    views = dataclasses.replace(views, lr=3e-3)   # the peers' peak learning rate
     why = views.doubt("expert3", "<the holder offering it>", offered, step=130)   # "" when plausible
 
 A holder serves its own experts; every other peer holds a copy of them as of its last refresh, and every
@@ -32,6 +33,7 @@ from swarm.sync.copy_prints import (
     norm_factor,
     print_bytes,
     print_from_bytes,
+    rms,
 )
 
 MAX_PRINTS = 4096  # items in one peer's prints: far above any model's experts + 1
@@ -106,18 +108,21 @@ def gather_prints(transport: GroupTransport, name: str, peers: Sequence[str], ti
 
 @dataclass(frozen=True)
 class PrintViews:
-    """What the peers said they hold: ``prints`` {peer: {item: print}}, ``steps`` {peer: {item: step}}."""
+    """What the peers said they hold: ``prints`` {peer: {item: print}}, ``steps`` {peer: {item: step}};
+    ``lr``, the peers' peak learning rate, bounds how far a newer copy may have grown (``norm_factor``)."""
 
     prints: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     steps: dict[str, dict[str, int]] = field(default_factory=dict)
+    lr: float | None = None
 
     def __or__(self, other: PrintViews) -> PrintViews:
-        return PrintViews(self.prints | other.prints, self.steps | other.steps)
+        return PrintViews(self.prints | other.prints, self.steps | other.steps, self.lr)
 
     def without(self, peers: set[str]) -> PrintViews:
         return PrintViews(
             {p: v for p, v in self.prints.items() if p not in peers},
             {p: v for p, v in self.steps.items() if p not in peers},
+            self.lr,
         )
 
     def reference(self, item: str, exclude: str) -> tuple[torch.Tensor | None, int | None]:
@@ -137,4 +142,4 @@ class PrintViews:
         if ref is None:
             return ""
         apart = None if step is None or ref_step is None else step - ref_step
-        return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart))
+        return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart, self.lr, rms([ref])))

@@ -29,22 +29,30 @@ PRINT_VALUES = 512
 # cosine 0.3 with its successor (measured): the bounds leave room for a stale reference.
 NORM_FACTOR = 2.0
 MIN_COSINE = 0.0
-# ...but a copy many steps newer than ours may have grown more: on GPU peers (H100, 4 peers, the wide shape
-# of benchmarks/wan.py, lr 3e-3) experts' norms were 2.0-2.1x their initialisation's after 340-400 steps and
-# 3.05x after 1200, and every refresh of a copy that old was refused (it stayed at its initialisation). The
-# factor allowed grows by NORM_FACTOR every NORM_STEPS steps between the copies, up to MAX_NORM_FACTOR; the
-# direction check and the fetch's outlier check (one copy changing far more than the others) still hold.
-# Steps are what the peers say: the cap bounds what a holder that claims a huge step gains by it.
-NORM_STEPS = 200
+# ...but a copy many steps newer than ours may have grown more. AdamW moves a coordinate by about the
+# learning rate per step at most, so k steps move a copy by at most k * lr * sqrt(numel) and its norm ratio
+# to ours is at most 1 + k * lr / rms(ours): far above 2 early in training, when our copy is still near its
+# initialisation. Measured: on GPU peers (H100, the wide shape of benchmarks/wan.py, lr 3e-3) experts' norms
+# were 2.0-2.1x their initialisation's after 340-400 steps and 3.05x after 1200; on 2 cores at lr 1e-2,
+# 2.25-3.4x after 50-180 steps. With the fixed factor every such refresh was refused and the copy stayed at
+# its initialisation. The factor allowed is that bound, at least NORM_FACTOR and at most MAX_NORM_FACTOR;
+# the direction check and the fetch's outlier check (one copy changing far more than the others) still
+# hold. Steps are what the peers say: the cap bounds what a holder that claims a huge step gains by it.
 MAX_NORM_FACTOR = 8.0
 
 
-def norm_factor(steps_apart: int | None) -> float:
-    """How far an honest copy ``steps_apart`` training steps newer than ours may be off in norm (None:
-    unknown, as for steps_apart <= NORM_STEPS)."""
-    if steps_apart is None or steps_apart <= NORM_STEPS:
+def norm_factor(steps_apart: int | None, lr: float | None, rms: float) -> float:
+    """How far in norm an honest copy ``steps_apart`` AdamW steps at learning rate ``lr`` (at most) newer
+    than a reference of root-mean-square value ``rms`` may be off it (NORM_FACTOR where unknown)."""
+    if not steps_apart or steps_apart < 0 or not lr or not rms > 0:
         return NORM_FACTOR
-    return min(MAX_NORM_FACTOR, NORM_FACTOR ** (steps_apart / NORM_STEPS))
+    return min(MAX_NORM_FACTOR, max(NORM_FACTOR, 1.0 + steps_apart * lr / rms))
+
+
+def rms(tensors: Sequence[torch.Tensor]) -> float:
+    """The root-mean-square value over a group of tensors (a copy, or its print)."""
+    total = sum(float(t.detach().float().pow(2).sum()) for t in tensors)
+    return (total / max(1, sum(t.numel() for t in tensors))) ** 0.5
 
 
 @functools.lru_cache(maxsize=64)
