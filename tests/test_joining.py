@@ -74,8 +74,7 @@ def _serving(
     transport, dense = net.transport(peer), dense_tensors(model)
     copies = {e: expert_tensors(model, e) for e in range(MODEL.n_experts)}
     served = [dense_poison(t) for t in dense] if dense_poison else dense
-    printed = [DENSE] + [f"expert{e}" for e in range(MODEL.n_experts)]
-    meta = {"items": [DENSE], "step": step} | served_prints(dense, copies, dict.fromkeys(printed, step))
+    meta = {"items": [DENSE], "step": step} | served_prints(dense, copies, step)
     transport.open("t_dense", dense).serve(list(pack(DENSE_SPEC, {DENSE: served}, {DENSE: 1.0})), meta)
     local = model.local_experts
     tensors = [(poison or (lambda t: t))(t).half() for e in local for t in copies[e]]

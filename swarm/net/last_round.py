@@ -87,8 +87,7 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
         if name == DENSE:
             copies = {e: expert_tensors(model, e) for e in range(sync.n_experts)}
             meta = {"items": [DENSE], "step": step, "round": index, "last": True}
-            steps = {expert_item(e): sync.copy_steps.get(e, step) for e in range(sync.n_experts)}
-            meta |= served_prints(tensors, copies, steps | {DENSE: step})
+            meta |= served_prints(tensors, copies, step, sync.copy_steps)
             group = ctx.groups.get(dense_spec, {DENSE: tensors})
             try:
                 group.serve(list(pack(dense_spec, {DENSE: tensors}, {DENSE: 1.0})), meta)

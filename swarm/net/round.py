@@ -225,9 +225,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 ref_id, ref = ctx.payloads.reference(spec)
                 dense = copies[DENSE] if ref is None else ref[DENSE]
                 # with prints of every copy we hold, which joiners check what others give them against
-                steps = {expert_item(e): plan.copy_steps.get(e, plan.step) for e in plan.frozen}
-                steps |= {DENSE: plan.step} | {expert_item(e): plan.step for e in plan.experts}
-                prints = served_prints(dense, {**plan.frozen, **plan.experts}, steps)
+                prints = served_prints(dense, {**plan.frozen, **plan.experts}, plan.step, plan.copy_steps)
                 served = list(pack(spec, {DENSE: dense}, {DENSE: 1.0}))
                 _serve_quietly(group, served, meta | {"ref": ref_id} | prints, rec)
         else:

@@ -1,8 +1,8 @@
 """Prints of every copy a peer holds, served with its dense weights, so that a joiner can check what one
 peer gives it against what the others hold.
 
-    meta |= served_prints(dense, {e: expert_tensors(model, e) for e in range(E)}, steps)  # ~1 KB each
-    # meta["prints"]: {item: print bytes}; meta["print_steps"]: {item: the step that copy is from}
+    meta |= served_prints(dense, {e: expert_tensors(model, e) for e in range(E)}, step, copy_steps)
+    # meta["prints"]: {item: print bytes, ~1 KB each}; meta["print_steps"]: {item: the step it is from}
     views = gather_prints(transport, "demo_dense", peers, timeout=5.0)   # PrintViews, metadata only
     views = dataclasses.replace(views, lr=3e-3)   # the peers' peak learning rate
     why = views.doubt("expert3", "<the holder offering it>", offered, step=130)   # "" when plausible
@@ -43,13 +43,18 @@ PRINT_KEYS = ("prints", "print_steps")
 def served_prints(
     dense: Sequence[torch.Tensor],
     experts: Mapping[int, Sequence[torch.Tensor]],
-    steps: Mapping[str, int] | None = None,
+    step: int | None = None,
+    copy_steps: Mapping[int, int] | None = None,
 ) -> dict[str, dict]:
     """The metadata keys that serve prints: ``prints`` {item: print bytes} of the dense weights and every
-    expert copy given (local or not), and ``print_steps`` {item: the step that copy is from} if known."""
+    expert copy given (local or not), and, given our ``step``, ``print_steps`` {item: the step that copy is
+    from}: ``copy_steps`` for the non-local copies that have one, ``step`` for the rest."""
     prints = {DENSE: print_bytes(copy_print(dense))}
     prints |= {expert_item(e): print_bytes(copy_print(ts)) for e, ts in sorted(experts.items())}
-    return {"prints": prints} | ({"print_steps": dict(steps)} if steps is not None else {})
+    if step is None:
+        return {"prints": prints}
+    steps = {DENSE: step} | {expert_item(e): (copy_steps or {}).get(e, step) for e in experts}
+    return {"prints": prints, "print_steps": steps}
 
 
 def kept_prints(meta: Mapping) -> dict:
