@@ -157,6 +157,9 @@ class TrainConfig:
     # a peer killed without warning loses minutes of training, not a run
     checkpoint_every_s: float = 120.0
     keep_checkpoints: int = 3
+    # each step lasts at least this many seconds, the rest slept (0: off): a peer on a shared machine leaves
+    # the CPU to others, and a benchmark's CPU peers leave it to their rounds, like peers that train on GPUs
+    min_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # YAML gives a list
@@ -180,6 +183,7 @@ class TrainConfig:
             check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         check(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)")
         check(self.checkpoint_every_s >= 0, "train.checkpoint_every_s", "must be >= 0 (0: by steps only)")
+        check(0 <= self.min_step_s <= 60, "train.min_step_s", "must be in [0, 60] seconds (0: off)")
 
 
 @dataclass

@@ -377,3 +377,38 @@ def test_checkpoints_are_also_written_on_the_wall_clock(config, tmp_path):
     steps = [load_checkpoint(p).step for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
     assert 3 <= len(steps) <= 8 and steps[-1] == 8 and all(s < 8 for s in steps[:-1]), steps
     assert all(b - a <= 2 for a, b in zip(steps, steps[1:], strict=False)), steps
+
+
+def test_min_step_s_paces_the_steps_and_a_stop_request_ends_the_wait(config, tmp_path):
+    """``train.min_step_s``: each step but the last lasts at least that long (the rest slept); Ctrl+C does
+    not wait for the pause to end."""
+    from swarm.config import load_config
+    from swarm.train.sync_hook import NoSync
+    from swarm.train.trainer import Trainer
+
+    stop, began = threading.Event(), []
+
+    class Clock(NoSync):
+        def after_step(self, model, report):
+            if report.step == 5:  # the second run's first step
+                threading.Timer(0.2, stop.set).start()  # mid-pause: the 30 s pause must not be waited out
+            return super().after_step(model, report)
+
+    cfg = load_config(config, ["train.min_step_s=0.3", "train.eval_every=1000", "train.checkpoint_every=1000"])
+    trainer = Trainer(cfg, tmp_path / "run", sync=Clock(), progress=False, stop=stop)
+    trainer.setup()
+    step = trainer.train_step
+    trainer.train_step = lambda: began.append(time.monotonic()) or step()
+    try:
+        trainer.train(max_steps=4)
+        gaps = [b - a for a, b in zip(began, began[1:], strict=False)]
+        assert len(gaps) == 3 and min(gaps) >= 0.3, gaps
+        trainer.cfg.train.min_step_s = 30.0
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(max_steps=50)
+        assert time.monotonic() - t0 < 20.0 and trainer.step == 5
+    finally:
+        trainer.close()
+    with pytest.raises(Exception, match="train.min_step_s"):
+        load_config(config, ["train.min_step_s=-1"])

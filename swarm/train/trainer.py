@@ -280,6 +280,14 @@ class Trainer:
         )
 
     # -- the loop -----------------------------------------------------------------------------------------
+    def _pace(self, until: float) -> None:
+        """Sleep until ``until`` (monotonic): ``train.min_step_s``. A stop request ends the wait."""
+        while (wait := until - time.monotonic()) > 0 and not (self.stop is not None and self.stop.is_set()):
+            if self.stop is not None:
+                self.stop.wait(wait)
+            else:
+                time.sleep(wait)
+
     def train(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict[str, Any]:
         """Train until ``max_steps`` optimizer steps in total, or for ``max_seconds`` of wall time.
         Returns a summary (initial/final validation loss)."""
@@ -309,6 +317,7 @@ class Trainer:
                     target = self.step  # out of time: this is the last step
                     self.save()
                     break
+                began = time.monotonic()
                 rec = self.train_step()
                 window_tok += self._step_tokens()
                 out_of_time = stop_at is not None and time.monotonic() >= stop_at
@@ -349,6 +358,8 @@ class Trainer:
                 )
                 if self.step % t.checkpoint_every == 0 or last or overdue:
                     self.save()
+                if t.min_step_s > 0 and not last:
+                    self._pace(began + t.min_step_s)
         except KeyboardInterrupt:
             if self.is_leader:
                 print(f"\ninterrupted at step {self.step}: writing a checkpoint", file=sys.stderr)
