@@ -394,7 +394,9 @@ def test_min_step_s_paces_the_steps_and_a_stop_request_ends_the_wait(config, tmp
                 threading.Timer(0.2, stop.set).start()  # mid-pause: the 30 s pause must not be waited out
             return super().after_step(model, report)
 
-    cfg = load_config(config, ["train.min_step_s=0.3", "train.eval_every=1000", "train.checkpoint_every=1000"])
+    cfg = load_config(
+        config, ["train.min_step_s=0.3", "train.eval_every=1000", "train.checkpoint_every=1000"]
+    )
     trainer = Trainer(cfg, tmp_path / "run", sync=Clock(), progress=False, stop=stop)
     trainer.setup()
     step = trainer.train_step
