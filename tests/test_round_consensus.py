@@ -38,3 +38,36 @@ def test_a_dissent_with_a_member_missing_fails_after_the_grace_period_not_the_de
     assert publish_digest(net.store("c"), "k", "c", mine, 1.0)
     ok, why = await_digests(net.store("a"), "k", "a", ["a", "b", "c"], mine, timeout=20.0, grace=0.5)
     assert ok and "1 differ" in why
+
+
+class _Flaky:
+    """A store whose first ``fails`` writes are refused (a DHT store that no node acknowledged)."""
+
+    def __init__(self, store, fails):
+        self.store, self.fails, self.tries = store, fails, 0
+
+    def put(self, *args, **kwargs):
+        self.tries += 1
+        return self.tries > self.fails and self.store.put(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_digest_whose_store_failed_is_stored_again_while_the_round_has_time():
+    """One member's digest that does not land costs every member the round (and, with a lossy codec, the
+    next one: the member that missed it keeps an older reference): a refused store is tried again."""
+    import time
+
+    from swarm.net.local_transport import LocalNetwork
+    from swarm.net.round_consensus import await_digests, publish_digest
+
+    net, mine = LocalNetwork(), [1.0, 2.0, 3.0, 4.0]
+    flaky = _Flaky(net.store("b"), fails=2)
+    assert publish_digest(flaky, "k", "b", mine, timeout=5.0) and flaky.tries == 3
+    assert publish_digest(net.store("a"), "k", "a", mine, 1.0)
+    assert await_digests(net.store("a"), "k", "a", ["a", "b"], mine, timeout=5.0) == (True, "")
+    # a store that never takes it: refused within the timeout, not retried past it
+    broken, t0 = _Flaky(net.store("c"), fails=10**6), time.monotonic()
+    assert not publish_digest(broken, "k2", "c", mine, timeout=1.0)
+    assert time.monotonic() - t0 < 1.5 and broken.tries >= 2

@@ -33,6 +33,8 @@ SEGMENTS = 16
 MAX_PAIRS = 96
 REL_TOLERANCE = 1e-4
 QUORUM_GRACE_S = 3.0  # how long a majority waits for the silent members' digests
+RETRY_S = 0.2  # between tries to store a digest
+FIRST_POLL_S = 0.02  # the first wait for the others' digests; it doubles up to ``poll``
 
 
 def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> str:
@@ -110,7 +112,17 @@ def _majority(k: int, n: int) -> bool:
 
 
 def publish_digest(store: Store, key: str, me: str, mine: list[float], timeout: float) -> bool:
-    return store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=timeout)
+    """Store our digest under ``key``; whether it was stored within ``timeout``. It returns once one node
+    holds it (the members poll for it), and a store that failed is tried again while time is left: one
+    digest that fails to land costs every member the round, and a lossy codec's next round too."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        if store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=left, first_node=True):
+            return True
+        if end - time.monotonic() < RETRY_S:
+            return False
+        time.sleep(RETRY_S)
 
 
 def await_digests(
@@ -133,6 +145,9 @@ def await_digests(
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
     quorum_since = dissent_since = None
+    # members publish within a few tens of ms of each other when their all-reduces end together: look
+    # again soon, then less often (``poll``)
+    wait = min(FIRST_POLL_S, poll)
     while True:
         found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
         seen = {peer: value for peer, (value, _) in found.items() if peer in others}
@@ -167,4 +182,5 @@ def await_digests(
                 return True, f"applied by a majority: member(s) {' and '.join(w for w in why if w)}"
         if time.monotonic() >= deadline:
             return False, f"partial round: no digest from {len(missing)} member(s)"
-        time.sleep(poll)
+        time.sleep(wait)
+        wait = min(2 * wait, poll)
