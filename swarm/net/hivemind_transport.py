@@ -50,22 +50,13 @@ class HivemindStore:
         return get_dht_time()
 
     def put(
-        self,
-        key: str,
-        value: Any,
-        expires_at: float,
-        subkey: str | None = None,
-        timeout: float = 10.0,
-        first_node: bool = False,
+        self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
     ) -> bool:
         if subkey is not None:
             if subkey != self.me or self.owner is None:
                 raise ValueError(f"a peer writes its own subkey only ({self.me[-8:]}, not {subkey[-8:]})")
             subkey = self.owner
-        # all replicas: the slowest of up to five RPCs, each behind whatever fills that node's link
-        fut = self.dht.store(
-            key, value, expires_at, subkey=subkey, return_future=True, await_all_replicas=not first_node
-        )
+        fut = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
         return bool(_result(fut, timeout))
 
     def get(self, key: str, timeout: float = 10.0) -> Any | None:

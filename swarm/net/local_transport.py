@@ -163,13 +163,7 @@ class LocalStore:
         return time.time()
 
     def put(
-        self,
-        key: str,
-        value: Any,
-        expires_at: float,
-        subkey: str | None = None,
-        timeout: float = 10.0,
-        first_node: bool = False,
+        self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
     ) -> bool:
         if subkey is not None and subkey != self.me:  # like hivemind's signed subkeys (HivemindStore)
             raise ValueError(f"a peer writes its own subkey only ({self.me}, not {subkey})")

@@ -112,13 +112,13 @@ def _majority(k: int, n: int) -> bool:
 
 
 def publish_digest(store: Store, key: str, me: str, mine: list[float], timeout: float) -> bool:
-    """Store our digest under ``key``; whether it was stored within ``timeout``. It returns once one node
-    holds it (the members poll for it), and a store that failed is tried again while time is left: one
-    digest that fails to land costs every member the round, and a lossy codec's next round too."""
+    """Store our digest under ``key``; whether it was stored within ``timeout``. A store that failed is
+    tried again while time is left: one digest that fails to land costs every member the round, and a
+    lossy codec's next round too (the member that missed it keeps an older reference)."""
     end = time.monotonic() + timeout
     while True:
         left = end - time.monotonic()
-        if store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=left, first_node=True):
+        if store.put(key, mine, store.now() + 60 + timeout, subkey=me, timeout=left):
             return True
         if end - time.monotonic() < RETRY_S:
             return False

@@ -58,17 +58,8 @@ class Store(Protocol):
     def now(self) -> float: ...
 
     def put(
-        self,
-        key: str,
-        value: Any,
-        expires_at: float,
-        subkey: str | None = None,
-        timeout: float = 10.0,
-        first_node: bool = False,
-    ) -> bool:
-        """Whether the record was stored. ``first_node``: return as soon as one node holds it (the other
-        replicas are written in the background), for a record that its readers poll for."""
-        ...
+        self, key: str, value: Any, expires_at: float, subkey: str | None = None, timeout: float = 10.0
+    ) -> bool: ...
 
     def get(self, key: str, timeout: float = 10.0) -> Any | None:
         """The value of a key stored without subkey, or None (absent, expired or no answer in time)."""
