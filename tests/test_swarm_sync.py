@@ -202,3 +202,21 @@ def test_a_peer_alone_serves_its_dense_weights_after_an_ordinary_round():
         assert got is not None and all(torch.equal(x, y) for x, y in zip(got, mine, strict=True))
     finally:
         sync.close()
+
+
+def test_a_sync_point_reached_with_a_round_in_flight_is_taken_late_when_that_round_ends_in_time():
+    """With rounds on the wall clock, a round that overruns its slot by a little joins the next slot's round
+    late (the others are still looking for partners) instead of skipping it: a skipped slot leaves peers a
+    slot out of step, and with more peers they pair off, round after round."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6)  # late for 0.8 s into a slot
+    net = LocalNetwork(matchmaking_s=1.6, faults=[Fault("delay", peer="b", round=1, seconds=2.1)])
+    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    out = _run(peers, steps=75, step_s={"a": 0.1, "b": 0.1})
+    for me in "ab":
+        rounds = [rec for rec in out[me] if not rec.last]
+        assert not any(rec.reason == "previous round still in flight" for rec in rounds), rounds
+        started = [rec for rec in rounds if rec.started]
+        overran = [k for k, rec in enumerate(started) if rec.sync_seconds > sync.sync_every_s]
+        assert overran and overran[0] + 1 < len(started), started  # b's delayed round (a waited for it)
+        after = started[overran[0] + 1]  # the next slot's round, which the peer joined late
+        assert after.clean and after.dense_group == 2, after

@@ -34,6 +34,7 @@ from swarm.train.round_record import RoundRecord
 from swarm.train.sync_hook import StepReport, SyncReply
 
 PLAIN = OuterStep()  # keeps no state: one for every peer
+IN_FLIGHT = "previous round still in flight"
 
 
 class SwarmSync:
@@ -67,6 +68,8 @@ class SwarmSync:
         self._tokens, self._expert_tokens = 0, torch.zeros(self.n_experts, dtype=torch.long)
         self._step_tokens, self.round_index, self.leaving = 0, 0, False
         self._slot: int | None = None  # the wall-clock slot of the last step (sync_every_s)
+        # a slot's sync point we reached with a round in flight: until this wall time, we may still join it
+        self._late_until: float | None = None
         self._point = 0  # the swarm's number of the last sync point (its slot, or step // sync_every)
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
@@ -89,13 +92,23 @@ class SwarmSync:
         self.members.report_step(report.step, report.tokens, report.loss, report.step_tokens)
         self._step_tokens = report.step_tokens or self._step_tokens
         records = self.apply_finished(model)
-        if self._sync_point(report.step) and not report.last:  # a last step gets the last round
+        point, late = self._sync_point(report.step), self._late_until
+        if late is not None and (point or report.last or time.time() >= late):
+            self._late_until = late = None  # the slot's round went on without us
+            records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
+        if (point or late is not None) and not report.last:  # a last step gets the last round
             if self.round_running():
-                why = "previous round still in flight"
-                records.append(RoundRecord(step=report.step, round=self.round_index, reason=why))
+                if point and self.sc.sync_every_s > 0:
+                    # the others look for partners for a while: if ours ends by then, join them late
+                    # instead of skipping (a peer a slot out of step pairs off with others out of step)
+                    self._late_until = self._slot * self.sc.sync_every_s + self.timing.matchmaking_s / 2
+                elif point:
+                    records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
             elif self._near_last_round(report):
+                self._late_until = None
                 records.append(RoundRecord(step=report.step, reason="too close to the last round"))
             else:
+                self._late_until = None
                 self.start_round(model, report.step)
         return SyncReply(records, self.members.claimed)
 
