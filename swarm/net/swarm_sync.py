@@ -92,11 +92,11 @@ class SwarmSync:
         self.members.report_step(report.step, report.tokens, report.loss, report.step_tokens)
         self._step_tokens = report.step_tokens or self._step_tokens
         records = self.apply_finished(model)
-        point, late = self._sync_point(report.step), self._late_until
-        if late is not None and (point or report.last or time.time() >= late):
-            self._late_until = late = None  # the slot's round went on without us
+        point = self._sync_point(report.step)
+        if self._late_until is not None and (point or report.last or time.time() >= self._late_until):
+            self._late_until = None  # the slot's round went on without us
             records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
-        if (point or late is not None) and not report.last:  # a last step gets the last round
+        if (point or self._late_until is not None) and not report.last:  # a last step gets the last round
             if self.round_running():
                 if point and self.sc.sync_every_s > 0:
                     # the others look for partners for a while: if ours ends by then, join them late
@@ -104,12 +104,12 @@ class SwarmSync:
                     self._late_until = self._slot * self.sc.sync_every_s + self.timing.matchmaking_s / 2
                 elif point:
                     records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
-            elif self._near_last_round(report):
-                self._late_until = None
-                records.append(RoundRecord(step=report.step, reason="too close to the last round"))
             else:
                 self._late_until = None
-                self.start_round(model, report.step)
+                if self._near_last_round(report):
+                    records.append(RoundRecord(step=report.step, reason="too close to the last round"))
+                else:
+                    self.start_round(model, report.step)
         return SyncReply(records, self.members.claimed)
 
     def _sync_point(self, step: int) -> bool:

@@ -282,11 +282,9 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------------
     def _pace(self, until: float) -> None:
         """Sleep until ``until`` (monotonic): ``train.min_step_s``. A stop request ends the wait."""
-        while (wait := until - time.monotonic()) > 0 and not (self.stop is not None and self.stop.is_set()):
-            if self.stop is not None:
-                self.stop.wait(wait)
-            else:
-                time.sleep(wait)
+        stop = self.stop or threading.Event()  # without one, a plain sleep
+        while (wait := until - time.monotonic()) > 0 and not stop.is_set():
+            stop.wait(wait)
 
     def train(self, max_steps: int | None = None, max_seconds: float | None = None) -> dict[str, Any]:
         """Train until ``max_steps`` optimizer steps in total, or for ``max_seconds`` of wall time.
