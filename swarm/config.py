@@ -219,6 +219,9 @@ class SyncConfig:
     # a refresh round's downloads begin once its groups have their members (True), not with the round:
     # on a narrow link they would otherwise queue matchmaking's messages behind the experts' copies
     downloads_after_matchmaking: bool = False
+    # how members tell each other their round results' digests: "direct" (a message to each member) or
+    # "dht" (records in the DHT, a lookup each way). Every peer of a swarm must use the same
+    digests: Literal["direct", "dht"] = "direct"
     # how a group's contributions are combined (swarm.sync.robust_mean): "centered_trim" (and
     # "centered_clip") bound what a rogue member can do and weight every member equally; "mean" weights
     # members by their tokens and trusts them (closed swarms of peers you run yourself). Every peer of a

@@ -19,7 +19,7 @@ from swarm.net.expert_download import Fresh
 from swarm.net.hivemind_group import HivemindGroup, await_step
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
-from swarm.net.round_consensus import abs_sums, await_digests, digest, digests_agree, publish_digest
+from swarm.net.round_consensus import StoreDigests, abs_sums, await_digests, digest, digests_agree, publish_digest
 from swarm.net.served_prints import metadata_only
 from swarm.net.timing import Timing
 from swarm.net.traffic import TrafficMeter
@@ -159,7 +159,7 @@ def test_digests_tolerate_rounding_but_not_untouched_parts():
 
 def confirm_round(store, key, me, members, mine, timeout):
     assert publish_digest(store, key, me, mine, timeout)
-    return await_digests(store, key, me, members, mine, timeout)
+    return await_digests(StoreDigests(store, me), key, me, members, mine, timeout)
 
 
 def test_round_confirmed_only_when_every_member_agrees():

@@ -162,6 +162,18 @@ def test_a_member_with_another_rule_makes_every_member_drop_the_round():
         assert any("another rule" in r for r in results[p].record.rejected), results[p].record.rejected
 
 
+def test_a_member_that_exchanges_digests_another_way_makes_every_member_drop_the_round():
+    """Its digest would never reach the others (nor theirs it): every member says why at once, instead of
+    waiting until the round's deadline for a digest that cannot come."""
+    peers = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+    swarm = Swarm(peers)
+    swarm.ctx["c"] = dataclasses.replace(swarm.ctx["c"], sync=SyncConfig(digests="dht"))
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("sync.digests" in r for r in results[p].record.rejected), results[p].record.rejected
+
+
 def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     swarm = Swarm(peers, faults=[Fault("silent", peer="b")])  # it never publishes a digest

@@ -17,6 +17,7 @@ import torch
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
+from swarm.net.direct_digests import DirectDigests
 from swarm.net.hivemind_codecs import hivemind_compression
 from swarm.net.hivemind_group import HivemindGroup, close_groups, download_state
 from swarm.net.identity import peer_id_of_owner
@@ -140,6 +141,9 @@ class HivemindTransport:
 
     def close_groups(self, groups: Sequence[HivemindGroup]) -> None:
         close_groups(groups)
+
+    def direct_digests(self) -> DirectDigests:
+        return DirectDigests(self.dht)
 
 
 def copy_bound(model: torch.nn.Module) -> int:

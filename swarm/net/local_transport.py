@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from swarm.net.round_consensus import StoreDigests
 from swarm.net.served_prints import kept_prints
 from swarm.net.transport import GroupOutcome, Served, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
@@ -294,3 +295,7 @@ class LocalTransport:
     def close_groups(self, groups: Sequence[LocalGroup]) -> None:
         for g in groups:
             g.close()
+
+    def direct_digests(self) -> StoreDigests:
+        # in one process a record in the shared store reaches the members as directly as a message would
+        return StoreDigests(self.net.store(self.me), self.me)

@@ -33,6 +33,7 @@ from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
 from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
+from swarm.net.round_consensus import StoreDigests
 from swarm.net.round_downloads import Gate, RoundDownloads
 from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo, common_reference
 from swarm.net.round_merge import merge_round
@@ -40,7 +41,7 @@ from swarm.net.round_payload import Payloads
 from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
-from swarm.net.transport import Group, GroupOutcome, GroupTransport, Store
+from swarm.net.transport import DigestExchange, Group, GroupOutcome, GroupTransport, Store
 from swarm.sync import RejectedTensor, check_tensors
 from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
@@ -93,6 +94,7 @@ class RoundContext:
     server: ExpertServer
     downloads: ExpertDownloads
     payloads: Payloads | None = None  # None: built from ``sync`` (the codec and its error feedback)
+    digests: DigestExchange | None = None  # None: through ``store`` (``StoreDigests``)
     # the swarm as the heartbeat thread sees it now (None: only the view a round starts with), so that a
     # round waiting for a member's digest can tell a member that died from one that is slow
     view_now: Callable[[], MembershipView] | None = None
@@ -101,6 +103,8 @@ class RoundContext:
         if self.payloads is None:
             payloads = Payloads(codec_named(self.sync.codec), self.sync.error_feedback)
             object.__setattr__(self, "payloads", payloads)
+        if self.digests is None:
+            object.__setattr__(self, "digests", StoreDigests(self.store, self.me))
 
     @classmethod
     def build(cls, cfg: RunConfig, store: Store, transport: GroupTransport, timing: Timing) -> RoundContext:
@@ -110,12 +114,14 @@ class RoundContext:
         deltas = None if codec.lossless else transport.open_server(f"{cfg.run_id}_expert_deltas", codec)
         server = ExpertServer(transport.open_server(name), deltas, codec)
         changes = (deltas.name, codec) if deltas else None
+        direct = cfg.sync.digests == "direct"
+        digests = transport.direct_digests() if direct else StoreDigests(store, transport.me)
         downloads = ExpertDownloads(
             transport, name, timing.download_s, cfg.sync.max_rel_distance, changes, cfg.train.lr
         )
         return cls(
             cfg.run_id, transport.me, store, timing, cfg.sync, cfg.model.n_experts, OpenGroups(transport),
-            server, downloads, Payloads(codec, cfg.sync.error_feedback),
+            server, downloads, Payloads(codec, cfg.sync.error_feedback), digests,
         )  # fmt: skip
 
 
@@ -164,7 +170,15 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         try:
             payload = ctx.payloads.encode(spec, local, weights)
             ws = tuple(weights[i] for i in spec.items)
-            info = RoundInfo(plan.step, plan.index, plan.last, ws, payload.reference, ctx.sync.aggregation)
+            info = RoundInfo(
+                plan.step,
+                plan.index,
+                plan.last,
+                ws,
+                payload.reference,
+                ctx.sync.aggregation,
+                ctx.sync.digests,
+            )
             mm = wait + timing.ordinary_matchmaking_s
             handle = group.start(
                 payload.tensors, info.to_msg(), mm, plan.scheduled, _expected(spec, view, ctx.me)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.net.group_layout import GroupSpec
-from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key, publish_digest
+from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key
 from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
 from swarm.net.round_payload import SentPayload
 from swarm.net.transport import GroupOutcome
@@ -68,6 +68,8 @@ def check_outcome(
         return size, "a member sent a malformed or implausible round info", None
     if any(i.rule != ctx.sync.aggregation for i in infos):
         return size, "a member aggregates by another rule (sync.aggregation)", None
+    if any(i.digests != ctx.sync.digests for i in infos):  # their digests would never reach each other
+        return size, "a member exchanges digests another way (sync.digests)", None
     if any(i.last != last for i in infos):
         # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
         # would end holding a copy it never had (every member sees the same infos and drops it)
@@ -92,7 +94,7 @@ def check_outcome(
     t = time.monotonic()
     mine = digest(tensors)
     t = add_time(spent, "digest", t)
-    published = publish_digest(ctx.store, key, ctx.me, mine, timeout)
+    published = ctx.digests.publish(key, mine, list(outcome.members), timeout)
     add_time(spent, "publish", t)
     if not published:
         return size, "could not publish digest", None
@@ -118,7 +120,7 @@ def confirm_outcome(
     tolerance = ctx.payloads.codec.tolerance
     floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
     ok, why = await_digests(
-        ctx.store, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
+        ctx.digests, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
         grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
     )  # fmt: skip
     t = add_time(spent, "await", t)

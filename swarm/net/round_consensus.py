@@ -2,8 +2,9 @@
 
 hivemind can report success when a peer died mid-round and part of a tensor was never averaged (NOTES.md:
 12% true mean, 29% 2-peer mean, 57% untouched). Every member therefore publishes a digest of its result
-under a key derived from the group (its members and their round info), waits for the digests of the other
-members, and applies the result only if all digests agree and every member reported, or a majority of at
+under a key derived from the group (its members and their round info), sends it to the other members
+(``DigestExchange``: through the DHT, ``StoreDigests``, or straight to them, ``direct_digests``), waits for
+theirs, and applies the result only if all digests agree and every member reported, or a majority of at
 least two agree and the rest differ or stayed silent for a grace period. An untouched part makes digests
 disagree: a member that died mid-round left its share untouched, so the survivors' results differ (no two
 agree), and in a group of two the one left alone waits for a digest that never comes; either way the round
@@ -27,7 +28,7 @@ import msgpack
 import torch
 
 from swarm.net.records import finite_number
-from swarm.net.transport import Store
+from swarm.net.transport import DigestExchange, Store
 
 SEGMENTS = 16
 MAX_PAIRS = 96
@@ -125,8 +126,25 @@ def publish_digest(store: Store, key: str, me: str, mine: list[float], timeout: 
         time.sleep(RETRY_S)
 
 
+class StoreDigests:
+    """Digests as records in the ``Store``: ours under our own subkey of the group's key, the others' read
+    back from it. A store that is refused is tried again while time is left (``publish_digest``)."""
+
+    poll_s = 0.25  # every look is a DHT lookup
+
+    def __init__(self, store: Store, me: str) -> None:
+        self.store, self.me = store, me
+
+    def publish(self, key: str, digest: list[float], members: Sequence[str], timeout: float) -> bool:
+        return publish_digest(self.store, key, self.me, digest, timeout)
+
+    def collect(self, key: str, members: Sequence[str], timeout: float) -> dict[str, Any] | None:
+        found = self.store.get_subkeys(key, timeout=timeout)
+        return None if found is None else {p: v for p, (v, _) in found.items() if p in members}
+
+
 def await_digests(
-    store: Store,
+    exchange: DigestExchange,
     key: str,
     me: str,
     members: Sequence[str],
@@ -134,23 +152,25 @@ def await_digests(
     timeout: float,
     tolerance: float = REL_TOLERANCE,
     floor: Sequence[float] | None = None,
-    poll: float = 0.25,
+    poll: float | None = None,
     grace: float = QUORUM_GRACE_S,
     gone: Callable[[str], bool] = lambda peer: False,
 ) -> tuple[bool, str]:
     """Wait until every other member's digest is in and agrees with ours (within the codec's
     ``tolerance``), or a majority of at least two members agree and the others differ or stayed silent
     ``grace`` seconds since. Returns (ok, reason); a reason with ok says who was out-voted or missing.
-    ``gone(peer)``: whether a member has stopped publishing heartbeats (its digest will never come)."""
+    ``gone(peer)``: whether a member has stopped publishing heartbeats (its digest will never come);
+    ``poll``: the longest wait between looks (None: the exchange's ``poll_s``)."""
     deadline = time.monotonic() + timeout
     others = set(members) - {me}
     quorum_since = dissent_since = None
     # members publish within a few tens of ms of each other when their all-reduces end together: look
     # again soon, then less often (``poll``)
+    poll = exchange.poll_s if poll is None else poll
     wait = min(FIRST_POLL_S, poll)
     while True:
-        found = store.get_subkeys(key, timeout=max(0.1, deadline - time.monotonic())) or {}
-        seen = {peer: value for peer, (value, _) in found.items() if peer in others}
+        found = exchange.collect(key, members, timeout=max(0.1, deadline - time.monotonic())) or {}
+        seen = {peer: value for peer, value in found.items() if peer in others}
         differ = sorted(
             p
             for p, v in seen.items()

@@ -1,6 +1,7 @@
 """What each member of a group tells the others (``RoundInfo``), gathered by the group and checked by all.
 
-info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="", rule="centered_trim")
+info = RoundInfo(step=300, round=3, last=False, weights=(1.0,), reference="", rule="centered_trim",
+                 digests="direct")
 group.start(tensors, info.to_msg(), ...)
 theirs = RoundInfo.from_msg(gathered[peer], n_items=1)     # None unless well formed and plausible
 """
@@ -18,6 +19,7 @@ from swarm.sync.robust_mean import AGGREGATIONS
 MAX_WEIGHT = 100.0
 WEIGHT_TOLERANCE = 1e-4
 MAX_REFERENCE = 128
+DIGEST_EXCHANGES = ("direct", "dht")
 REFERENCES_DIFFER = "members' deltas were against different references"
 
 
@@ -31,6 +33,7 @@ class RoundInfo:
     weights: tuple[float, ...]  # per item of the group, in order
     reference: str = ""  # the agreed state our deltas are against ("": we send weights; round_payload)
     rule: str = "mean"  # how we reduce our part (``swarm.sync.robust_mean``): every member must use the same
+    digests: str = "dht"  # how we exchange round digests (``sync.digests``): every member must use the same
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -40,6 +43,7 @@ class RoundInfo:
             "weights": list(self.weights),
             "ref": self.reference,
             "rule": self.rule,
+            "digests": self.digests,
         }
 
     @classmethod
@@ -49,7 +53,8 @@ class RoundInfo:
             return None
         step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
         reference, rule = value.get("ref", ""), value.get("rule", "mean")
-        if rule not in AGGREGATIONS:  # also anything unhashable or not a string
+        digests = value.get("digests", "dht")  # peers before ``sync.digests`` used the DHT
+        if rule not in AGGREGATIONS or digests not in DIGEST_EXCHANGES:  # also anything unhashable
             return None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
             return None
@@ -60,7 +65,7 @@ class RoundInfo:
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
-        return cls(step, index, last, tuple(float(w) for w in weights), reference, rule)
+        return cls(step, index, last, tuple(float(w) for w in weights), reference, rule, digests)
 
 
 def common_reference(infos: Sequence[RoundInfo]) -> str:

@@ -70,6 +70,23 @@ class Store(Protocol):
         ...
 
 
+class DigestExchange(Protocol):
+    """How the members of a group tell each other the digests of their round results (``round_consensus``):
+    through the ``Store`` (``round_consensus.StoreDigests``) or straight to each member
+    (``direct_digests.DirectDigests``). ``poll_s``: how often a waiting member looks again, at most."""
+
+    poll_s: float
+
+    def publish(self, key: str, digest: list[float], members: Sequence[str], timeout: float) -> bool:
+        """Make our ``digest`` for group ``key`` known to ``members``; whether it was, within ``timeout``."""
+        ...
+
+    def collect(self, key: str, members: Sequence[str], timeout: float) -> dict[str, Any] | None:
+        """{member: its digest as received} of the members whose digest for ``key`` has come (any value: the
+        caller checks it), or None on no answer in ``timeout``."""
+        ...
+
+
 class Group(Protocol):
     name: str
 
@@ -120,4 +137,8 @@ class GroupTransport(Protocol):
 
     def close_groups(self, groups: Sequence[Group]) -> None:
         """Close groups side by side, within one bounded grace period."""
+        ...
+
+    def direct_digests(self) -> DigestExchange:
+        """Round digests sent straight to the members of a group (``sync.digests: direct``)."""
         ...
