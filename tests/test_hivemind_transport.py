@@ -19,7 +19,14 @@ from swarm.net.expert_download import Fresh
 from swarm.net.hivemind_group import HivemindGroup, await_step
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
-from swarm.net.round_consensus import StoreDigests, abs_sums, await_digests, digest, digests_agree, publish_digest
+from swarm.net.round_consensus import (
+    StoreDigests,
+    abs_sums,
+    await_digests,
+    digest,
+    digests_agree,
+    publish_digest,
+)
 from swarm.net.served_prints import metadata_only
 from swarm.net.timing import Timing
 from swarm.net.traffic import TrafficMeter

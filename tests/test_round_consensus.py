@@ -32,11 +32,15 @@ def test_a_dissent_with_a_member_missing_fails_after_the_grace_period_not_the_de
     mine, theirs = [1.0, 2.0, 3.0, 4.0], [1.0, 2.5, 3.0, 4.0]
     assert publish_digest(net.store("b"), "k", "b", theirs, 1.0)
     t0 = time.monotonic()
-    ok, why = await_digests(StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b", "c"], mine, timeout=20.0, grace=0.5)
+    ok, why = await_digests(
+        StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b", "c"], mine, timeout=20.0, grace=0.5
+    )
     assert not ok and "differs from" in why and time.monotonic() - t0 < 3.0
     # the same with c agreeing with us: a majority of two applies
     assert publish_digest(net.store("c"), "k", "c", mine, 1.0)
-    ok, why = await_digests(StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b", "c"], mine, timeout=20.0, grace=0.5)
+    ok, why = await_digests(
+        StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b", "c"], mine, timeout=20.0, grace=0.5
+    )
     assert ok and "1 differ" in why
 
 
@@ -66,7 +70,10 @@ def test_a_digest_whose_store_failed_is_stored_again_while_the_round_has_time():
     flaky = _Flaky(net.store("b"), fails=2)
     assert publish_digest(flaky, "k", "b", mine, timeout=5.0) and flaky.tries == 3
     assert publish_digest(net.store("a"), "k", "a", mine, 1.0)
-    assert await_digests(StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b"], mine, timeout=5.0) == (True, "")
+    assert await_digests(StoreDigests(net.store("a"), "a"), "k", "a", ["a", "b"], mine, timeout=5.0) == (
+        True,
+        "",
+    )
     # a store that never takes it: refused within the timeout, not retried past it
     broken, t0 = _Flaky(net.store("c"), fails=10**6), time.monotonic()
     assert not publish_digest(broken, "k2", "c", mine, timeout=1.0)
