@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from swarm.net.round_consensus import digests_agree, group_key
 
@@ -78,3 +79,22 @@ def test_a_digest_whose_store_failed_is_stored_again_while_the_round_has_time():
     broken, t0 = _Flaky(net.store("c"), fails=10**6), time.monotonic()
     assert not publish_digest(broken, "k2", "c", mine, timeout=1.0)
     assert time.monotonic() - t0 < 1.5 and broken.tries >= 2
+
+
+def test_a_digest_is_each_segments_sum_of_magnitudes_and_signed_sum_as_float64_computes_them():
+    """Summed in float64 from float32 values: the same numbers as a float64 copy gives, to rounding."""
+    from swarm.net.round_consensus import SEGMENTS, abs_sums, digest
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(100_003), torch.randn(17, 5)]
+    want = []
+    for t in tensors:
+        flat = t.reshape(-1).double()
+        gen = torch.Generator().manual_seed(flat.numel())
+        signs = torch.randint(0, 2, (flat.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
+        for seg, sgn in zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True):
+            want += [float(seg.abs().sum()), float((seg * sgn).sum())]
+    got = digest(tensors)
+    assert len(got) == 4 * SEGMENTS
+    assert all(abs(g - w) <= 1e-9 * (abs(w) + 1) for g, w in zip(got, want, strict=True))
+    assert abs_sums(tensors) == got[0::2]
