@@ -17,7 +17,9 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
   ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``), and
-  ``check_s`` where its checks' went (``RoundRecord.check_seconds``);
+  ``check_s`` where its checks' went (``RoundRecord.check_seconds``); ``round_fit``: a round's seconds as
+  ``fixed_s`` + ``per_payload`` x its payload's seconds on the link (least squares over the rounds): what a
+  round costs whatever it carries, and how close to the link's rate it carries the rest;
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -147,6 +149,18 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     return measure(args, cfg, run, codes, before, after, wall)
 
 
+def round_fit(points: list[tuple[float, float]]) -> dict | None:
+    """Least squares of round seconds on payload seconds, over ``(payload_s, round_s)`` points:
+    ``{"fixed_s", "per_payload"}``, or None with fewer than 3 rounds or payloads too alike to tell the two
+    apart (the smallest more than half the largest: fp32 rounds all carry the same, and a fit through
+    them extrapolates noise to a negative fixed part)."""
+    sizes = [p for p, _ in points]
+    if len(points) < 3 or min(sizes) > 0.5 * max(sizes):
+        return None
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+    return {"fixed_s": round(intercept, 3), "per_payload": round(slope, 3)}
+
+
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) -> dict:
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
     phases: dict[str, list[float]] = {}
@@ -174,7 +188,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
                 losses.append(json.loads(line)["final_val_loss"])
     full = 2 * 2 * (n - 1) / n * model_bytes(cfg)
     bytes_per_round = statistics.mean(per_round) if per_round else float("nan")
-    link_s = [s / (b / 2 * 8 / (args.mbit * 1e6)) for s, b in seconds]
+    payload_s = [(b / 2 * 8 / (args.mbit * 1e6), s) for s, b in seconds]
+    link_s = [s / p for p, s in payload_s]
     return {
         "bytes_per_round": int(bytes_per_round) if per_round else None,
         "round_bytes": int(statistics.mean(in_round)) if in_round else None,
@@ -185,6 +200,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
+        "round_fit": round_fit(payload_s),
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,
@@ -243,6 +259,9 @@ def print_table(rows: list[dict], args) -> None:
         phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
         if r["check_s"]:
             phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
+        if r["round_fit"]:
+            fit = r["round_fit"]
+            phases += f"; round = {fit['fixed_s']:g} s + {fit['per_payload']:g} x payload"
         print(f"{r['shape']:6} {r['codec']:5} {mb(r['bytes_per_round']):>9} {mb(r['round_bytes']):>9} "
               f"{r['link_bytes_per_round'] / 1e6:>8.1f} {r['bytes_ratio'] or float('nan'):>6.3f} "
               f"{r['round_s'] or float('nan'):>8.1f} {r['round_vs_link'] or float('nan'):>10.2f} "

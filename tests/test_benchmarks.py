@@ -222,3 +222,14 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         assert torch.equal(value[0], before[0][name][0]) and torch.equal(value[3], before[2][name][3])
         assert torch.allclose(value[1], (before[0][name][1] + before[1][name][1]) / 2, atol=1e-7)
         assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
+
+
+def test_wan_round_fit_separates_a_rounds_fixed_seconds_from_its_payloads():
+    from benchmarks.wan import round_fit
+
+    # rounds of 0.76 s + 1.2 x payload, as the H100 machine's int8 rounds came out
+    points = [(p, 0.76 + 1.2 * p) for p in (0.4, 0.45, 3.4, 3.5, 2.1)]
+    assert round_fit(points) == {"fixed_s": 0.76, "per_payload": 1.2}
+    assert round_fit(points[:2]) is None  # too few rounds to tell
+    assert round_fit([(1.0, 2.0), (1.0, 2.5), (1.0, 3.0)]) is None  # payloads all alike: no slope
+    assert round_fit([(4.56, 5.4), (4.57, 5.9), (4.6, 5.6)]) is None  # nearly alike (fp32 rounds)
