@@ -21,7 +21,8 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
     diloco_bytes   the same, rounds spaced so that it moves as many bytes per peer as the swarm
     every_step     (only when asked for) the ceiling of parameter averaging: the peers' batches and AdamW in
                    one process, every expert trained by every peer, weights averaged after every step
-                   (``--average-every N``: every N steps, still synchronously, as a swarm that waited)
+                   (``--average-every N``: every N steps, still synchronously, as a swarm that waited;
+                   ``--average-codec int8``: through that codec, with error feedback, as ``sync.codec``)
     every_step_spes  (only when asked for) the same with each peer training only its own
                    ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
     ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
+    ap.add_argument("--average-codec", default="fp32", choices=("fp32", "fp16", "int8"),
+                    help="how the every_step rows' averages travel (coded_average)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_central(cfg, steps, args.peers, max(1, steps // 8), device=args.device)
             elif name in EXTRA_ROWS:
                 res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
-                                     own_experts=name == "every_step_spes", device=args.device)  # fmt: skip
+                                     own_experts=name == "every_step_spes", device=args.device,
+                                     codec=args.average_codec)  # fmt: skip
             else:
                 if name == "diloco_bytes":
                     diloco_scale = _scale_for_equal_bytes(results)

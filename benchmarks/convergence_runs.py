@@ -158,16 +158,20 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
-                   device: str = "cpu") -> RunResult:  # fmt: skip
+                   device: str = "cpu", codec: str = "fp32") -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
     it trains on, can only do worse. Every replica trains every expert, or with ``own_experts`` only its
     own ``experts.per_peer`` of them, as a swarm peer does (the others are frozen copies, taken from their
-    trainers at every averaging); an expert is the mean of the replicas that trained it."""
+    trainers at every averaging); an expert is the mean of the replicas that trained it. A lossy ``codec``
+    (``sync.codec``'s names) averages through it (``coded_average``)."""
+    from coded_average import CodedAverage
+
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
+    from swarm.sync.codecs import codec_named
     from swarm.train.optimizer import build_optimizer
     from swarm.train.schedule import lr_at
 
@@ -181,6 +185,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         models.append(m.to(device))
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
+    coded = None if codec_named(codec).lossless else CodedAverage(codec_named(codec), models, owned, n_exp)
 
     def evaluate() -> float:
         return heldout_loss(
@@ -199,11 +204,12 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == steps:
-            average_replicas(models, owned, n_exp)
+            coded(models) if coded else average_replicas(models, owned, n_exp)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
+    name += "" if coded is None else f"_{codec}"
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 

@@ -233,3 +233,49 @@ def test_wan_round_fit_separates_a_rounds_fixed_seconds_from_its_payloads():
     assert round_fit(points[:2]) is None  # too few rounds to tell
     assert round_fit([(1.0, 2.0), (1.0, 2.5), (1.0, 3.0)]) is None  # payloads all alike: no slope
     assert round_fit([(4.56, 5.4), (4.57, 5.9), (4.6, 5.6)]) is None  # nearly alike (fp32 rounds)
+
+
+def test_a_coded_average_is_the_plain_mean_within_the_codecs_error():
+    """coded_average (the every_step rows with --average-codec): replicas that start alike and change
+    differently end within two int8 steps of the plain mean (their change out, the mean's back), and a
+    frozen copy within three of its trainers' mean."""
+    import copy
+
+    import torch
+
+    from benchmarks.coded_average import CodedAverage
+    from benchmarks.convergence_runs import average_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from swarm.sync.codecs import codec_named
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1], [1, 2], [3]]
+    models = []
+    for own in owned:
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=0)  # one initialisation, as a swarm's peers share
+        models.append(m)
+    coded = CodedAverage(codec_named("int8"), models, owned, mcfg.n_experts)
+    gen = torch.Generator().manual_seed(1)
+    for m in models:  # each replica's own training
+        state = m.canonical_state_dict()
+        m.load_canonical_state_dict(
+            {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        )
+    plain = [copy.deepcopy(m) for m in models]
+    average_replicas(plain, owned, mcfg.n_experts)
+    coded(models)
+    want, got = plain[0].canonical_state_dict(), [m.canonical_state_dict() for m in models]
+    step = 0.01 * 5 / 127  # an int8 step for changes of about 5 sigma at most
+    worst = 0.0
+    for name, value in want.items():
+        parts = [slice(None)] if ".experts." not in name else [0, 1, 2, 3]  # 4-7: nobody trains them
+        for part in parts:
+            for i, g in enumerate(got):
+                bound = 3 * step if ".experts." in name and part not in owned[i] else 2 * step
+                err = float((g[name][part] - value[part]).abs().max())
+                assert err <= bound, (name, part, i, err)
+                worst = max(worst, err)
+    assert worst > 0  # the codec did drop something: this is not the plain mean again
