@@ -1,0 +1,147 @@
+"""When members drop a round, and when a majority applies it (``round_checks``, ``round_consensus``): in
+process, on the fault-injecting ``LocalNetwork``."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from swarm.config import SyncConfig
+from swarm.net.local_transport import Fault
+from tests.local_swarm import TIMING, Swarm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_member_with_another_rule_makes_every_member_drop_the_round():
+    peers = {"a": [0, 1], "b": [0, 1]}
+    swarm = Swarm(peers)
+    mean = dataclasses.replace(swarm.ctx["b"], sync=SyncConfig(aggregation="mean"))
+    swarm.ctx["b"] = mean
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("another rule" in r for r in results[p].record.rejected), results[p].record.rejected
+
+
+def test_a_member_that_exchanges_digests_another_way_makes_every_member_drop_the_round():
+    """Its digest would never reach the others (nor theirs it): every member says why at once, instead of
+    waiting until the round's deadline for a digest that cannot come."""
+    peers = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+    swarm = Swarm(peers)
+    swarm.ctx["c"] = dataclasses.replace(swarm.ctx["c"], sync=SyncConfig(digests="dht"))
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("sync.digests" in r for r in results[p].record.rejected), results[p].record.rejected
+
+
+def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
+    swarm = Swarm(peers, faults=[Fault("silent", peer="b")])  # it never publishes a digest
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    want = [torch.stack([swarm.dense[p][0] for p in peers]).mean(0)]
+    for p in ("a", "c"):  # the dense group of three: two agree, the third is silent past the grace period
+        assert torch.allclose(results[p].dense[1][0], want[0], atol=1e-6)
+        assert not any(r.startswith("dense") for r in results[p].record.rejected), results[p].record
+    # c is in no other group: its checks ended after the grace period, long before the deadline
+    assert results["c"].record.phase_seconds["checks"] < TIMING.round_s / 3, results["c"].record
+    # experts 0-1 are averaged by a and b alone: a cannot tell a silent b from a dead one, so drops them
+    assert results["a"].experts == {}
+    assert any("experts 0,1: partial round: no digest" in r for r in results["a"].record.rejected)
+
+
+@pytest.mark.parametrize("heartbeat", ["stopped", "live"])
+def test_a_silent_member_whose_heartbeat_stopped_is_not_awaited_until_the_deadline(heartbeat):
+    """A pair whose other member went silent: if its heartbeat stopped too (killed), the round is dropped as
+    soon as the view says so; if it still publishes heartbeats (slow), it is awaited until the deadline."""
+    peers = {"a": [0, 1], "b": [0, 1]}
+    swarm = Swarm(peers, faults=[Fault("silent", peer="b")])
+    now = time.monotonic()
+    last_heard = now - 10 * TIMING.record_ttl_s if heartbeat == "stopped" else now
+    view = dataclasses.replace(swarm.view, heard_at={"a": now, "b": last_heard}, read_at=now)
+    swarm.ctx["a"] = dataclasses.replace(swarm.ctx["a"], view_now=lambda: view)
+    rec = swarm.round({p: swarm.plan(p) for p in peers})["a"].record
+    assert [r.split(":")[0] for r in rec.rejected] == ["dense", "experts 0,1"], rec.rejected
+    if heartbeat == "stopped":
+        assert all("without a heartbeat since" in r for r in rec.rejected), rec.rejected
+        assert rec.phase_seconds["checks"] < TIMING.round_s / 3, rec.phase_seconds
+    else:
+        assert rec.phase_seconds["checks"] > TIMING.round_s / 2, rec.phase_seconds
+        assert rec.check_seconds["await"] > TIMING.round_s / 2, rec.check_seconds  # the wait is for digests
+
+
+def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
+    swarm = Swarm(peers, faults=[Fault("partial", peer="b", round=1)])  # only b's result differs
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    want = torch.stack([swarm.dense[p][0] for p in peers]).mean(0)
+    for p in ("a", "c"):  # the dense group of three: two agree, and their result is the mean
+        assert torch.allclose(results[p].dense[1][0], want, atol=1e-6), p
+        assert not any(r.startswith("dense") for r in results[p].record.rejected), results[p].record
+    assert results["b"].dense is None and any(
+        "dense: partial round" in r for r in results["b"].record.rejected
+    )
+    # experts 0-1 are averaged by a and b alone: two that differ, and no majority: both drop them
+    assert results["a"].experts == {} and results["b"].experts == {}
+
+
+@pytest.mark.parametrize("kind", ["drop", "nan"])
+def test_a_faulty_member_makes_every_member_drop_the_round(kind):
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
+    # centered clipping would leave a NaN member out and apply the round (test above): the mean cannot
+    sync = SyncConfig(aggregation="mean") if kind == "nan" else None
+    swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=1)], sync=sync)
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        rec = results[p].record
+        assert results[p].dense is None, (p, rec)
+        assert any(r.startswith("dense") for r in rec.rejected), (p, rec.rejected)
+    assert results["a"].experts == {} and results["c"].dense is None
+    # the next round, without the fault, is clean
+    results = swarm.round({p: swarm.plan(p, index=2) for p in peers})
+    assert all(results[p].record.rejected == [] and results[p].dense is not None for p in peers)
+
+
+def test_a_weight_not_claimed_is_rejected():
+    peers = {"a": [0], "b": [1]}
+    swarm = Swarm(peers, faults=[Fault("scale", peer="b", round=1, factor=30.0)])
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("weights averaged differ" in r for r in results[p].record.rejected), results[p].record
+
+
+def test_a_last_round_never_mixes_with_an_ordinary_one():
+    peers = {"a": [0, 1], "b": [2, 3]}
+    swarm = Swarm(peers)
+    results = swarm.round({"a": swarm.plan("a", last=True), "b": swarm.plan("b")})
+    for p in peers:
+        assert any("another kind of round" in r for r in results[p].record.rejected)
+
+
+def test_members_with_different_references_drop_the_round_and_take_the_common_one():
+    peers = {"a": [0], "b": [1], "c": [2]}
+    swarm = Swarm(peers, sync=SyncConfig(codec="int8"))
+    dense = swarm.plan("a").groups[0][0]
+    results = swarm.round({p: swarm.plan(p, index=1) for p in peers})
+    assert all(results[p].dense for p in peers)
+    agreed = swarm.ctx["a"].payloads.reference(dense)
+    swarm.ctx["c"].payloads.forget("t_dense")  # as after a restart, or a round c missed
+    results = swarm.round({p: swarm.plan(p, index=2) for p in peers})
+    for p in peers:
+        assert results[p].dense is None
+        assert any("different references" in r for r in results[p].record.rejected), results[p].record
+    # a and b keep theirs; c takes it from one of them (its served copy), bit for bit
+    assert any("took the agreed one from" in r for r in results["c"].record.rejected)
+    got = swarm.ctx["c"].payloads.reference(dense)
+    theirs = [swarm.ctx[q].payloads.reference(dense)[1]["dense"][0] for q in "ab"]
+    assert got[0] == agreed[0] and any(torch.equal(got[1]["dense"][0], t) for t in theirs)
+    # so the next round sends changes again, and is clean
+    results = swarm.round({p: swarm.plan(p, index=3) for p in peers})
+    assert all(results[p].record.rejected == [] and results[p].dense for p in peers), {
+        p: results[p].record.rejected for p in peers
+    }
+    ids = {swarm.ctx[p].payloads.reference_id(dense) for p in peers}
+    assert len(ids) == 1 and ids != {agreed[0]} and "" not in ids
