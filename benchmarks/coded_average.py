@@ -61,4 +61,4 @@ class CodedAverage:
                         now[i][name][e] = held + self.codec.roundtrip(results[holders[0]] - held)
         for m, state in zip(models, now, strict=True):
             m.load_canonical_state_dict(state)
-        self.refs = [{k: v.clone() for k, v in s.items()} for s in now]
+        self.refs = now  # fresh copies of their own: loading copies them into the models

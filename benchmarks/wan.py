@@ -188,8 +188,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
                 losses.append(json.loads(line)["final_val_loss"])
     full = 2 * 2 * (n - 1) / n * model_bytes(cfg)
     bytes_per_round = statistics.mean(per_round) if per_round else float("nan")
-    payload_s = [(b / 2 * 8 / (args.mbit * 1e6), s) for s, b in seconds]
-    link_s = [s / p for p, s in payload_s]
+    points = [(b / 2 * 8 / (args.mbit * 1e6), s) for s, b in seconds]  # (payload's time, round's)
+    link_s = [s / p for p, s in points]
     return {
         "bytes_per_round": int(bytes_per_round) if per_round else None,
         "round_bytes": int(statistics.mean(in_round)) if in_round else None,
@@ -200,7 +200,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
-        "round_fit": round_fit(payload_s),
+        "round_fit": round_fit(points),
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,

@@ -114,8 +114,7 @@ class RoundContext:
         deltas = None if codec.lossless else transport.open_server(f"{cfg.run_id}_expert_deltas", codec)
         server = ExpertServer(transport.open_server(name), deltas, codec)
         changes = (deltas.name, codec) if deltas else None
-        direct = cfg.sync.digests == "direct"
-        digests = transport.direct_digests() if direct else StoreDigests(store, transport.me)
+        digests = transport.direct_digests() if cfg.sync.digests == "direct" else None  # None: the store
         downloads = ExpertDownloads(
             transport, name, timing.download_s, cfg.sync.max_rel_distance, changes, cfg.train.lr
         )
