@@ -115,3 +115,50 @@ def test_winner_is_the_largest_agreeing_set_then_the_smallest_id():
     assert winner({"Qb": a, "Qc": a, "Qa": b}) == "Qb"  # majority beats the smaller id
     assert winner({"Qb": a, "Qa": b}) == "Qa"  # a tie goes to the smallest id
     assert winner({"Qz": a}) == "Qz"
+
+
+def test_a_store_that_fails_is_tried_again_while_the_holders_wait():
+    """The late holder's first stores fail (a loaded DHT): its digest still lands, and both settle."""
+    net = LocalNetwork()
+    done = {}
+
+    class FlakyStore:  # the real in-memory store, whose first two stores answer "not stored"
+        def __init__(self, store):
+            self.store, self.failures = store, 2
+
+        def put(self, *args, **kwargs):
+            if self.failures:
+                self.failures -= 1
+                return False
+            return self.store.put(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    def holder(me: str, store) -> None:
+        items = {"dense": FinalItem([torch.ones(10)], frozenset({"peer-a", "peer-b"}) - {me})}
+        done[me] = agree_on_final_copies(store, "t_run", me, items, lambda p, n: None, lambda n, t: None, 0.5,
+                                         4.0, wait=5.0, poll=0.05)  # fmt: skip
+
+    threads = [
+        threading.Thread(target=holder, args=("peer-a", net.store("peer-a"))),
+        threading.Thread(target=holder, args=("peer-b", FlakyStore(net.store("peer-b")))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert done == {"peer-a": ([], []), "peer-b": ([], [])}
+
+
+def test_a_holder_no_longer_coming_is_waited_for_no_more():
+    """Its heartbeat stops 0.5 s in (it crashed): the wait ends then, not at its 20 s bound."""
+    net = LocalNetwork()
+    items = {"dense": FinalItem([torch.ones(10)], frozenset({"peer-gone"}))}
+    started = time.monotonic()
+    got = agree_on_final_copies(
+        net.store("peer-a"), "t_run", "peer-a", items, lambda p, n: None, lambda n, t: None, 0.5, 4.0,
+        wait=20.0, poll=0.05, still_coming=lambda peer: time.monotonic() < started + 0.5,
+    )  # fmt: skip
+    assert got == ([], ["dense: no digest from 1 holder(s)"])
+    assert 0.5 <= time.monotonic() - started < 3.0

@@ -208,10 +208,15 @@ def test_churn_a_sole_holder_killed_and_resumed_a_bootstrap_killed_and_a_join_th
     # the joiner came in through the second bootstrap and took every expert
     joined = [ln for ln in log(2).splitlines() if ln.startswith("caught up with the swarm")]
     assert joined and "dense fetched, 8/8 experts fetched" in joined[0], joined
+
     # peers 0 and 1 ended with a last round together: the same dense weights and experts
+    def ends():  # both peers' last rounds, for a failure's message
+        return [[(r.round, r.last, r.dense_group, r.reason[:60], round(r.sync_seconds, 1), r.final_unsettled)
+                 for r in round_records(runs[j])[-4:]] for j in (0, 1)]  # fmt: skip
+
     for i in (0, 1):
         rounds = round_records(runs[i])
-        assert rounds[-1].last and rounds[-1].final_unsettled == [], rounds[-1]
+        assert rounds[-1].last and rounds[-1].final_unsettled == [], (i, ends())
         assert all(math.isfinite(r.sync_seconds) and r.sync_seconds <= 30 + 5 for r in rounds)
     c0, c1 = (load_checkpoint(latest_checkpoint(runs[i] / "checkpoints")) for i in (0, 1))
     for k, t in c0.model.items():

@@ -6,8 +6,8 @@ A synchronous last round normally leaves the holders of each group equal. But a 
 holder and not on another (hivemind may drop a member during matchmaking; a digest may arrive after a
 partner's deadline), and then their copies differ for good, because nobody trains or averages afterwards.
 So every peer that is finishing publishes a digest of each group it holds (dense, its experts) under a
-per-group key, waits for the other finishing holders (up to a round: one may still be in its last round),
-and the copies are compared: the largest set of agreeing copies wins (ties: the one with the smallest peer
+per-group key, waits for the other finishing holders that are still live (one may still be in the round it
+had in flight, then in its last round), and the copies are compared: the largest set of agreeing copies wins (ties: the one with the smallest peer
 id), and a peer whose copy differs downloads the winner's (checked like any received tensor) and serves
 that from then on. Everybody computes the same winner from the same digests, so no further messages are
 needed; a holder whose digest never came is reported as unsettled.
@@ -65,6 +65,7 @@ def agree_on_final_copies(
     wait: float | None = None,
     poll: float = 0.25,
     tolerance: float = REL_TOLERANCE,
+    still_coming: Callable[[str], bool] = lambda peer: True,
 ) -> tuple[list[str], list[str]]:
     """Returns (items whose copy we replaced with the winner's, items we could not settle and why).
     ``fetch(peer, item)`` downloads a peer's copy; ``serve(item, tensors)`` makes ours what we serve.
@@ -72,13 +73,20 @@ def agree_on_final_copies(
     holders' digests: a holder still in its last round publishes later, and a peer that decided without
     its digest could keep a copy that the late ones replace. A digest that never came is reported.
     Digests published more than ``window`` seconds before ours belong to an earlier end and are ignored.
+    ``still_coming(peer)``: whether a holder whose digest is missing is still worth waiting for (it is
+    live); the wait ends early once no missing holder is.
     ``tolerance``: how far digests of equal copies may differ (0 after a lossy codec's last round, whose
     members end a codec's error apart: any difference is settled by a download)."""
     started = store.now()
+    unannounced: dict[str, list[float]] = {}
 
     def announce(name: str, value: list[float]) -> None:
         record = {"digest": value, "time": store.now()}
-        store.put(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, timeout=timeout)
+        stored = store.put(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, timeout=timeout)
+        if stored:
+            unannounced.pop(name, None)
+        else:  # a store that failed (a loaded DHT) is tried again while we wait: the others wait for it
+            unannounced[name] = value
 
     mine = {}
     for name, item in items.items():
@@ -87,9 +95,15 @@ def agree_on_final_copies(
         mine[name] = digest(copy)
         announce(name, mine[name])
     seen: dict[str, dict[str, list[float]]] = {name: {me: d} for name, d in mine.items()}
+
+    def missing(name: str) -> set[str]:
+        return set(items[name].others - set(seen[name]))
+
     deadline = time.monotonic() + (timeout if wait is None else wait)
     pending = {name for name, item in items.items() if item.others}
-    while pending and time.monotonic() < deadline:
+    while (pending or unannounced) and time.monotonic() < deadline:
+        for name, value in list(unannounced.items()):
+            announce(name, value)
         for name in list(pending):
             found = store.get_subkeys(f"{run_id}_final_{name}", max(0.1, deadline - time.monotonic()))
             for peer, (v, _) in (found or {}).items():
@@ -98,14 +112,12 @@ def agree_on_final_copies(
                     d = v.get("digest")
                     if isinstance(d, list) and len(d) == len(mine[name]):
                         seen[name][peer] = d
-            if items[name].others <= set(seen[name]):
+            if not any(still_coming(p) for p in missing(name)):
                 pending.discard(name)
-        if pending:
+        if pending or unannounced:
             time.sleep(poll)
+    unsettled = [f"{name}: no digest from {len(missing(name))} holder(s)" for name in items if missing(name)]
     adopted = []
-    unsettled = [
-        f"{name}: no digest from {len(items[name].others - set(seen[name]))} holder(s)" for name in pending
-    ]
     for name, item in items.items():
         best = winner(seen[name], tolerance)
         if best == me or digests_agree(mine[name], seen[name][best], tolerance):

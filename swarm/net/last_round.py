@@ -96,10 +96,15 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
         elif item_expert(name) in model.local_experts:
             ctx.server.update({name: tensors}, step, final=False)
 
+    def still_coming(peer: str) -> bool:
+        """A holder that withdrew, or has published no heartbeat for a record's lifetime, sends no digest."""
+        view = sync.members.view  # the heartbeat thread reads the swarm every period
+        return peer in view.peers and view.silent_for(peer) <= ctx.timing.record_ttl_s
+
     settled = agree_on_final_copies(
         ctx.store, ctx.run_id, ctx.me, items, fetch, serve, ctx.timing.final_agreement_s,
         sync.sc.max_rel_distance, ctx.timing.final_window_s, ctx.timing.final_wait_s,
-        tolerance=0.0 if not ctx.payloads.codec.lossless else REL_TOLERANCE,
+        tolerance=0.0 if not ctx.payloads.codec.lossless else REL_TOLERANCE, still_coming=still_coming,
     )  # fmt: skip
     # what every non-holder must end with: our copies as settled
     ctx.server.update({e: ts for e, ts in live.items() if e != DENSE}, step, final=True)

@@ -48,9 +48,10 @@ class Timing:
 
     @property
     def final_wait_s(self) -> float:
-        """How long the final agreement waits for a finishing holder's digests: that holder may have been
-        held up to a round by the round it had in flight when it stopped."""
-        return self.round_s + self.matchmaking_s
+        """How long the final agreement waits at most for a live finishing holder's digests: that holder may
+        first wait for the round it had in flight when it stopped (``join_round_s``), then take its last
+        round (matchmaking, then up to a round), while ours was short (alone, nobody to wait for)."""
+        return self.join_round_s + self.matchmaking_s + self.round_s
 
     @property
     def quorum_grace_s(self) -> float:
