@@ -81,20 +81,23 @@ def test_a_digest_whose_store_failed_is_stored_again_while_the_round_has_time():
     assert time.monotonic() - t0 < 1.5 and broken.tries >= 2
 
 
-def test_a_digest_is_each_segments_sum_of_magnitudes_and_signed_sum_as_float64_computes_them():
-    """Summed in float64 from float32 values: the same numbers as a float64 copy gives, to rounding."""
-    from swarm.net.round_consensus import SEGMENTS, abs_sums, digest
+def test_a_digest_is_each_segments_sum_of_magnitudes_and_its_sum_under_the_repeated_sign_pattern():
+    """The same numbers as a float64 copy gives, to float32's rounding within a row of the pattern."""
+    from swarm.net.round_consensus import SEGMENTS, SIGN_PERIOD, _signs, abs_sums, digest
 
     torch.manual_seed(0)
-    tensors = [torch.randn(100_003), torch.randn(17, 5)]
-    want = []
+    tensors = [
+        torch.randn(3 * SIGN_PERIOD * SEGMENTS + 100_003),
+        torch.randn(17, 5).t(),
+    ]  # one not contiguous
+    want, scale = [], []
     for t in tensors:
-        flat = t.reshape(-1).double()
-        gen = torch.Generator().manual_seed(flat.numel())
-        signs = torch.randint(0, 2, (flat.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
-        for seg, sgn in zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True):
-            want += [float(seg.abs().sum()), float((seg * sgn).sum())]
+        for seg in t.reshape(-1).double().tensor_split(SEGMENTS):
+            signs = _signs().double().repeat(seg.numel() // SIGN_PERIOD + 1)[: seg.numel()]
+            want += [float(seg.abs().sum()), float((seg * signs).sum())]
+            scale += [float(seg.abs().sum())] * 2
     got = digest(tensors)
     assert len(got) == 4 * SEGMENTS
-    assert all(abs(g - w) <= 1e-9 * (abs(w) + 1) for g, w in zip(got, want, strict=True))
+    assert all(abs(g - w) <= 1e-6 * s + 1e-9 for g, w, s in zip(got, want, scale, strict=True))
+    assert got[0::2] == pytest.approx(want[0::2], rel=1e-12)
     assert abs_sums(tensors) == got[0::2]

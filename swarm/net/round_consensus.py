@@ -13,12 +13,14 @@ rogue that sent NaN ends with NaN), no longer vetoes a round of three or more: t
 A silent member whose heartbeat has stopped too (``gone``: killed, or its machine lost) cannot side with
 anyone any more: the members do not wait for it until the round's deadline.
 
-The digest is a few fixed random projections of each segment of each tensor: insensitive to last-bit
-rounding (members add deltas in a different order), sensitive to any part left unaveraged.
+The digest is, for each segment of each tensor, its sum of magnitudes and one fixed random projection (a
+pattern of signs, repeated): insensitive to last-bit rounding (members add deltas in a different order),
+sensitive to any part left unaveraged.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,8 @@ from swarm.net.transport import DigestExchange, Store
 
 SEGMENTS = 16
 MAX_PAIRS = 96
+SIGN_PERIOD = 1 << 16  # the projection's sign pattern repeats every this many values
+SIGN_SEED = 20260226
 REL_TOLERANCE = 1e-4
 QUORUM_GRACE_S = 3.0  # how long a majority waits for the silent members' digests
 RETRY_S = 0.2  # between tries to store a digest
@@ -58,25 +62,36 @@ def abs_sums(tensors: Sequence[torch.Tensor]) -> list[float]:
     return sums
 
 
+@functools.cache
+def _signs() -> torch.Tensor:
+    """The projection's fixed pattern of +-1, ``SIGN_PERIOD`` long, the same on every peer."""
+    gen = torch.Generator().manual_seed(SIGN_SEED)
+    return torch.randint(0, 2, (SIGN_PERIOD,), generator=gen, dtype=torch.float32).mul_(2).sub_(1)
+
+
+def _signed_sum(seg: torch.Tensor) -> float:
+    """The segment's values times the sign pattern repeated from its start, summed: a row of the pattern's
+    length at a time in float32 (one matrix-vector product), the rows in float64."""
+    signs, whole = _signs(), seg.numel() // SIGN_PERIOD * SIGN_PERIOD
+    rows = seg[:whole].view(-1, SIGN_PERIOD) @ signs
+    tail = seg[whole:] * signs[: seg.numel() - whole]
+    return float(rows.sum(dtype=torch.float64)) + float(tail.sum(dtype=torch.float64))
+
+
 def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Per tensor and per segment: (sum of |x|, a signed random projection), folded into at most
     ``MAX_PAIRS`` pairs (slot = segment number mod MAX_PAIRS) so that a record stays small whatever the
     number of tensors (hivemind refuses values of a few KB)."""
     pairs: list[list[float]] = []
     for i, t in enumerate(tensors):
-        # float32 values and signs, summed in float64: the products are exact, and no float64 copy of the
-        # round's tensors is made (it took half of a round's checks on a GPU machine's free cores)
-        flat = t.detach().reshape(-1).float()
-        gen = torch.Generator().manual_seed(flat.numel())
-        signs = torch.randint(0, 2, (flat.numel(),), generator=gen, dtype=torch.float32).mul_(2).sub_(1)
-        for j, (seg, sgn) in enumerate(
-            zip(flat.tensor_split(SEGMENTS), signs.tensor_split(SEGMENTS), strict=True)
-        ):
+        # no float64 copy of the round's tensors, and no signs drawn per value (both took most of a
+        # round's checks on a GPU machine's free cores): a fixed pattern, repeated, does the projection
+        for j, seg in enumerate(t.detach().reshape(-1).float().contiguous().tensor_split(SEGMENTS)):
             slot = (i * SEGMENTS + j) % MAX_PAIRS
             if slot == len(pairs):
                 pairs.append([0.0, 0.0])
             pairs[slot][0] += float(seg.abs().sum(dtype=torch.float64))
-            pairs[slot][1] += float((seg * sgn).sum(dtype=torch.float64))
+            pairs[slot][1] += _signed_sum(seg)
     return [x for pair in pairs for x in pair]
 
 
