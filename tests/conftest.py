@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Fixtures that several test modules share, kept in files of their own.
+pytest_plugins = ["tests.data_fixtures", "tests.trainer_fixtures"]
+
 # A model small enough that a training step takes milliseconds on 2 CPU cores.
 TINY_CONFIG = {
     "run_id": "tiny",

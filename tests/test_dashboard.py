@@ -1,6 +1,7 @@
-"""The dashboard: peer states and counters from real heartbeat records, /api/state and /metrics against a
-real DHT (compared with what a separate DHT client reads), bad input, and a live swarm in headless Chromium
-(a SIGKILLed peer turns stale, then offline; phone width; charts drawn from the history)."""
+"""The dashboard's server: /api/state and /metrics against a real DHT (compared with what a separate DHT client
+reads), and a live swarm in headless Chromium (a SIGKILLed peer turns stale, then offline; phone width; charts
+drawn from the history). Its parts on their own: test_peer_table, test_swarm_view, test_prometheus_metrics,
+test_dashboard_cli."""
 
 import contextlib
 import importlib
@@ -18,14 +19,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import load_config
-from swarm.dashboard.history import History
-from swarm.dashboard.peer_table import PeerTable
-from swarm.dashboard.prometheus_metrics import metrics_registry, render
 from swarm.dashboard.server import Dashboard
-from swarm.dashboard.swarm_view import SwarmView, ViewConfig
+from swarm.dashboard.swarm_view import ViewConfig
 from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets
 from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_heartbeats
 from tests.conftest import ROOT, SWARM_SETTINGS, reap, start_peer, wait_for_maddr, wait_until
@@ -35,97 +32,6 @@ pytestmark = pytest.mark.timeout(240)
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-
-
-def _hb(experts, sent_at, period=2.0, **kw) -> Heartbeat:
-    return Heartbeat(experts=experts, state="training", period_s=period, sent_at=sent_at, **kw)
-
-
-# -- peer states, counters, coverage, history: real Heartbeat records, no network ---------------------------
-def test_peer_states_follow_heartbeat_age_and_expiry():
-    table = PeerTable(max_offline=2)
-    # A published at 99, B at 95; period 2 s, TTL 3 periods: B is already older than two periods at 100
-    beats = {"A": (_hb([0, 1], 99.0, rounds_ok=1), 105.0), "B": (_hb([2], 95.0, rounds_ok=5), 101.0)}
-    assert table.observe(beats, now=100.0)
-    assert table.statuses(100.0) == {"A": "online", "B": "stale"}
-    assert table.statuses(103.0) == {"A": "online", "B": "offline"}  # B's record expired at 101
-    assert table.statuses(103.5) == {"A": "stale", "B": "offline"}  # 4.5 s > two periods
-    # B's record gone from the next read; A published again, after restarting from zero rounds
-    assert table.observe({"A": (_hb([0, 1], 102.0, rounds_ok=0), 108.0)}, now=102.0)
-    assert table.statuses(102.0) == {"A": "online", "B": "offline"}
-    # an empty read while A's record cannot have expired is a failed read: nothing changes
-    assert not table.observe({}, now=104.0)
-    assert table.statuses(104.0)["A"] == "online"
-    # once its expiry has passed, A is offline even if no read succeeds
-    assert table.observe({}, now=109.0)
-    assert table.statuses(109.0) == {"A": "offline", "B": "offline"}
-    # counters only grow: 1 + 5, then A restarted (0) and counts again from there
-    assert table.totals["rounds_ok"] == 6
-    assert table.observe({"A": (_hb([0, 1], 110.0, rounds_ok=2), 116.0)}, now=110.0)
-    assert table.totals["rounds_ok"] == 8 and table.statuses(110.0)["A"] == "online"  # back online
-    for i in range(4):  # offline peers are kept, the most recent max_offline of them
-        table.observe({f"C{i}": (_hb([3], 111.0 + i), 117.0 + i)}, now=111.0 + i)
-    offline = [pid for pid, s in table.statuses(115.0).items() if s == "offline"]
-    assert sorted(offline) == ["C1", "C2"]  # C3 is online; A (gone at 111) and C0 (gone at 112) forgotten
-    rows = table.rows(115.0)
-    assert [r["status"] for r in rows] == ["online", "offline", "offline"]
-    assert rows[0]["peer_id"] == "C3" and rows[0]["short_id"] == "C3" and rows[0]["age_s"] == 1.0
-
-
-def test_state_coverage_replication_and_bounded_history():
-    view = SwarmView(dht=None, cfg=ViewConfig(run_id="t", n_experts=6, history_samples=5))
-    for i in range(8):
-        t = 1000.0 + 2 * i
-        beats = {
-            "peer-a": (_hb([0, 1], t, loss=4.0 - 0.1 * i, tokens_per_s=100.0, tokens=1000 * i), t + 6),
-            "peer-b": (_hb([1, 2], t, loss=5.0 - 0.1 * i, tokens_per_s=50.0, tokens=500 * i), t + 6),
-            "peer-c": (_hb([3], t - 5, tokens_per_s=70.0), t + 1),  # stale: counts as holder, not in tokens/s
-        }
-        view.ingest(beats, now=t)
-    st = view.state(now=1014.0)
-    s = st["summary"]
-    assert (s["peers_online"], s["peers_stale"], s["peers_offline"]) == (2, 1, 0)
-    assert s["tokens_per_s"] == 150.0
-    assert s["tokens"] == 7000 + 3500
-    assert s["experts_covered"] == 4 and s["uncovered"] == [4, 5] and s["n_experts"] == 6
-    assert s["replication"] == {"min": 0, "mean": 5 / 6, "max": 2}
-    holders = {x["expert"]: sorted(x["holders"]) for x in st["experts"]}
-    assert holders[1] == ["peer-a", "peer-b"] and holders[3] == ["peer-c"] and holders[5] == []
-    h = st["history"]
-    assert len(h["t"]) == 5 and h["t"][-1] == 1014.0  # the ring buffer keeps the last 5 reads
-    assert h["tokens_per_s"] == [150.0] * 5
-    assert h["loss"][-1] == pytest.approx((3.3 + 4.3) / 2)
-    assert set(h["peers"]) == {"peer-a", "peer-b"}  # peer-c never trained while online
-    assert json.loads(json.dumps(st)) == st  # JSON as it is
-    with pytest.raises(ValueError):
-        History(1)
-
-
-def test_prometheus_text_matches_the_state():
-    view = SwarmView(dht=None, cfg=ViewConfig(run_id="prom", n_experts=4))
-    t = time.time()  # /metrics judges records at the time of the scrape
-    beats = {
-        "p1": (_hb([0, 1], t, rounds_ok=3, rounds_failed=1, bytes_sent=10, bytes_recv=20), t + 6),
-        "p2": (_hb([1], t, tokens_per_s=12.5, loss=2.5, step=7), t + 6),
-    }
-    view.ingest(beats, now=t)
-    text, ctype = render(metrics_registry(view))
-    assert ctype.startswith("text/plain")
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text.decode())
-        for s in fam.samples
-    }
-    assert samples[("swarm_peers", (("status", "online"),))] == 2
-    assert samples[("swarm_experts_covered", ())] == 2 and samples[("swarm_experts", ())] == 4
-    assert samples[("swarm_expert_holders", (("expert", "1"),))] == 2
-    assert samples[("swarm_rounds_total", (("result", "ok"),))] == 3
-    assert samples[("swarm_rounds_total", (("result", "failed"),))] == 1
-    assert samples[("swarm_bytes_total", (("direction", "recv"),))] == 20
-    assert samples[("swarm_run_info", (("run_id", "prom"),))] == 1
-    assert samples[("swarm_peer_up", (("peer", "p2"),))] == 1
-    assert samples[("swarm_peer_tokens_per_second", (("peer", "p2"),))] == 12.5
-    assert samples[("swarm_tokens_per_second", ())] == 12.5
 
 
 # -- a real DHT: the dashboard serves what a separate client reads ------------------------------------------
@@ -242,48 +148,13 @@ def test_dashboard_serves_what_the_dht_holds():
             d.shutdown()
 
 
-# -- command lines: bad input ---------------------------------------------------------------------------------
+# -- a live swarm in headless Chromium ------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    dash = [sys.executable, "-m", "swarm.dashboard.cli", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x"]
-    cases = [
-        dash + ["--port", "70000"],
-        dash + ["--port", str(port)],
-        dash + ["--config", str(tmp_path / "missing.yaml")],
-        dash + ["--poll-s", "0"],
-        dash + ["--experts", "0"],
-        dash + ["--port", "0"],  # good input, but no peer there to join
-        [sys.executable, "-m", "bootstrap.main", "--dashboard-port", "70000"],
-        [sys.executable, "-m", "bootstrap.main", "--dashboard-port", str(port)],
-    ]
-    procs = []
-    try:  # side by side: each process spends most of its time starting up
-        for i, cmd in enumerate(cases):
-            with open(tmp_path / f"{i}.err", "w") as err:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
-        for i, (cmd, proc) in enumerate(zip(cases, procs, strict=True)):
-            code = proc.wait(timeout=60)
-            stderr = (tmp_path / f"{i}.err").read_text()
-            lines = stderr.strip().splitlines()
-            assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (cmd, stderr)
-    finally:
-        taken.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-# -- a live swarm in headless Chromium ------------------------------------------------------------------------
 def _chromium_missing() -> str | None:
     """Install Debian's Chromium when it is not there (bounded in time). The reason to skip, or None."""
     if os.path.exists(CHROMIUM):

@@ -19,19 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from swarm.train import load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint, list_checkpoints
 from swarm.train.metrics_log import read_metrics
-from tests.conftest import ROOT, TINY_CONFIG, peer_cmd, reap, run_peer, wait_until
+from tests.conftest import ROOT, peer_cmd, reap, run_peer
 from tests.hf_helpers import peer_here
+from tests.trainer_fixtures import _losses
 
 KILL_POINTS = ["model_written", "optimizer_written", "before_rename", "before_prune"]
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def _solo_args(config, run_dir, *args: str) -> list[str]:
@@ -79,14 +75,6 @@ class Run:
     first: subprocess.CompletedProcess
     latest_step: object = None  # the latest checkpoint's step once `first` ended (or what loading it raised)
     resumed: subprocess.CompletedProcess | None = None
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory, tiny_data):
-    """The tiny config (as ``tiny_config`` writes it), shared by the module's runs."""
-    path = tmp_path_factory.mktemp("config") / "tiny.yaml"
-    path.write_text(yaml.safe_dump({**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -169,111 +157,6 @@ def test_kill_during_checkpoint_write_leaves_loadable_latest(runs, reference, po
     start = run.latest_step + 1
     assert max(abs(a[s] - b[s]) for s in range(start, start + 20)) <= 1e-5
     assert not list((run.dir / "checkpoints").glob(".tmp-*")), "stale temporaries were not cleaned"
-
-
-def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
-    """A checkpoint every step; SIGKILL at moments spread over a step once training runs, three times."""
-    run = tmp_path / "run"
-    latest, step = None, 0
-    for delay in (0.01, 0.04, 0.07):
-        cmd = peer_cmd(
-            "--config",
-            str(config),
-            "--solo",
-            "--run-dir",
-            str(run),
-            "--max-steps",
-            "100000",
-            "--resume",
-            "--set",
-            "train.checkpoint_every=1",
-            "--set",
-            "train.eval_every=1000",
-        )
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_until(lambda past=step + 3: _trained_past(run, past), 120, f"training past step {step + 3}")
-            time.sleep(
-                delay
-            )  # a checkpoint write takes a few ms here: these land before, inside and after one
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(timeout=30) == -signal.SIGKILL
-        finally:
-            reap([proc])
-        latest = latest_checkpoint(run / "checkpoints")
-        step = load_checkpoint(latest).step  # loadable, and the next run resumes from it
-    assert step > 3
-
-
-def _trained_past(run: Path, step: int) -> bool:
-    path = run / "metrics.jsonl"
-    return path.exists() and any(r.get("step", 0) > step for r in read_metrics(path) if "loss" in r)
-
-
-def _as_background_job():  # what `cmd &` in a shell script does: SIGINT ignored, inherited by the child
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint-background"])
-def test_signal_writes_a_checkpoint(config, tmp_path, sig):
-    """SIGTERM, and SIGINT even where the peer was started as a background job (Python would leave SIGINT
-    ignored), checkpoint and stop with 130."""
-    run = tmp_path / "run"
-    cmd = peer_cmd(
-        "--config",
-        str(config),
-        "--solo",
-        "--run-dir",
-        str(run),
-        "--max-steps",
-        "100000",
-        "--set",
-        "train.checkpoint_every=100000",
-    )
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_as_background_job if sig == signal.SIGINT else None,
-        start_new_session=True,  # reap() kills its group
-    )
-    deadline = time.time() + 60
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(_losses(run)) > 3):
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        reap([proc])
-    assert proc.returncode == 130, err
-    assert load_checkpoint(latest_checkpoint(run / "checkpoints")).step >= 3
-
-
-def test_a_lost_ctrl_c_still_stops_training_at_the_next_step(config, tmp_path):
-    """swarm-peer's signal handler sets ``stop`` and raises KeyboardInterrupt; where Python swallowed that
-    exception (it landed in an at-fork hook while a group opened), the loop stops at its next step."""
-    from swarm.config import load_config
-    from swarm.train.sync_hook import NoSync
-    from swarm.train.trainer import Trainer
-
-    stop = threading.Event()
-
-    class LostCtrlC(NoSync):
-        def after_step(self, model, report):
-            if report.step == 3:
-                stop.set()  # what the handler does, minus the exception
-            return super().after_step(model, report)
-
-    trainer = Trainer(load_config(config), tmp_path / "run", sync=LostCtrlC(), progress=False, stop=stop)
-    trainer.setup()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            trainer.train(max_steps=50)
-    finally:
-        trainer.close()
-    assert load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints")).step == 3
 
 
 def _one_error_line(res):
