@@ -25,13 +25,9 @@ from swarm.train.checkpoint import latest_checkpoint, list_checkpoints
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import ROOT, peer_cmd, reap, run_peer
 from tests.hf_helpers import peer_here
-from tests.trainer_fixtures import _losses
+from tests.trainer_fixtures import _losses, _solo_args
 
 KILL_POINTS = ["model_written", "optimizer_written", "before_rename", "before_prune"]
-
-
-def _solo_args(config, run_dir, *args: str) -> list[str]:
-    return ["--config", str(config), "--solo", "--run-dir", str(run_dir), *args]
 
 
 def _solo(config, run_dir, *args: str):

@@ -13,7 +13,7 @@ from swarm.train import load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import ROOT, peer_cmd, reap, wait_until
-from tests.trainer_fixtures import _losses
+from tests.trainer_fixtures import _losses, _solo_args
 
 
 def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
@@ -21,26 +21,13 @@ def test_sigkill_at_random_moments_never_breaks_latest(config, tmp_path):
     run = tmp_path / "run"
     latest, step = None, 0
     for delay in (0.01, 0.04, 0.07):
-        cmd = peer_cmd(
-            "--config",
-            str(config),
-            "--solo",
-            "--run-dir",
-            str(run),
-            "--max-steps",
-            "100000",
-            "--resume",
-            "--set",
-            "train.checkpoint_every=1",
-            "--set",
-            "train.eval_every=1000",
-        )
+        cmd = peer_cmd(*_solo_args(config, run, "--max-steps", "100000", "--resume", "--set",
+                                   "train.checkpoint_every=1", "--set", "train.eval_every=1000"))  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_until(lambda past=step + 3: _trained_past(run, past), 120, f"training past step {step + 3}")
-            time.sleep(
-                delay
-            )  # a checkpoint write takes a few ms here: these land before, inside and after one
+            # a checkpoint write takes a few ms here: these land before, inside and after one
+            time.sleep(delay)
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(timeout=30) == -signal.SIGKILL
         finally:
@@ -65,15 +52,7 @@ def test_signal_writes_a_checkpoint(config, tmp_path, sig):
     ignored), checkpoint and stop with 130."""
     run = tmp_path / "run"
     cmd = peer_cmd(
-        "--config",
-        str(config),
-        "--solo",
-        "--run-dir",
-        str(run),
-        "--max-steps",
-        "100000",
-        "--set",
-        "train.checkpoint_every=100000",
+        *_solo_args(config, run, "--max-steps", "100000", "--set", "train.checkpoint_every=100000")
     )
     proc = subprocess.Popen(
         cmd,

@@ -1,11 +1,15 @@
 """Shared pieces of the trainer tests: the tiny config file (a module-scoped fixture, registered by
-``pytest_plugins`` in conftest.py) and the losses a run logged."""
+``pytest_plugins`` in conftest.py) the arguments of a solo run, and the losses a run logged."""
 
 import pytest
 import yaml
 
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import TINY_CONFIG
+
+
+def _solo_args(config, run_dir, *args: str) -> list[str]:
+    return ["--config", str(config), "--solo", "--run-dir", str(run_dir), *args]
 
 
 def _losses(run_dir):
