@@ -58,18 +58,17 @@ import resource
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.op_count import check_hf_grouped_mm, expert_ops  # noqa: E402
 from swarm.config import RunConfig, load_config  # noqa: E402
 from swarm.model import MoETransformer  # noqa: E402
 from swarm.model.hf_olmoe import olmoe_config, to_olmoe_state_dict  # noqa: E402
@@ -174,41 +173,6 @@ def build_variants(cfg: RunConfig, args: argparse.Namespace, x: torch.Tensor) ->
         ours_loss = (out.lm_loss + m.lb_loss_coef * out.lb_loss).item()
         difference = abs(ours_loss - hf_loss().item())
     return variants, difference
-
-
-# -- checks before timing ------------------------------------------------------------------------------------
-class OpCounter(TorchDispatchMode):
-    """Counts the ATen / custom ops that run (forward and backward) while active. ``TorchDispatchMode`` is
-    the mechanism of torch's own ``FlopCounterMode``; it also sees transformers' custom fallback op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def expert_ops(v: Variant) -> dict[str, int]:
-    """Run one forward + backward (no optimizer step) and count the grouped-GEMM ops it used."""
-    with OpCounter() as counter:
-        v.loss_fn().backward()
-    v.optimizer.zero_grad()
-    keep = ("grouped_mm", "bmm", "fallback")
-    return {k: n for k, n in sorted(counter.counts.items()) if any(s in k for s in keep)}
-
-
-def check_hf_grouped_mm(hf: Variant, n_layers: int) -> dict[str, int]:
-    impl = hf.model.config._experts_implementation
-    if impl != "grouped_mm":
-        raise SystemExit(f"HF OLMoE runs experts_implementation={impl!r}, not grouped_mm")
-    ops = expert_ops(hf)
-    native = ops.get("aten._grouped_mm", 0)
-    fallback = sum(n for k, n in ops.items() if "fallback" in k)
-    if native < 2 * n_layers or fallback:
-        raise SystemExit(f"HF OLMoE did not run torch's grouped_mm kernel for its experts: ops {ops}")
-    return ops
 
 
 # -- timing --------------------------------------------------------------------------------------------------
