@@ -6,7 +6,7 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
 from swarm.net.hivemind_codecs import hivemind_compression
-from swarm.sync.codecs import BLOCK, EXACT_MAX, codec_named
+from swarm.sync.codecs import BLOCK, EXACT_MAX, codec_named, int8_decode, int8_encode
 
 
 def _randn(*shape, seed=0):
@@ -29,6 +29,19 @@ def test_int8_error_is_at_most_half_a_step_of_each_block():
     err = (got - x).abs()
     assert bool((err <= step / 2 * (1 + 1e-5)).all())
     assert err[BLOCK:].max() < 0.02  # a block of N(0, 1) values: steps of about 3 / 127
+
+
+def test_int8_codes_are_each_value_over_its_blocks_step_rounded_and_decode_to_code_times_step():
+    x = _randn(5 * BLOCK + 9, seed=2) * 4
+    x[BLOCK : 2 * BLOCK] = 0  # a block of zeros: scale 0, codes 0, decoded 0
+    codes, scales = int8_encode(x)
+    want_scales = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK).abs().amax(dim=1) / 127
+    assert torch.equal(scales, want_scales) and scales[1] == 0
+    step = torch.where(want_scales > 0, want_scales, 1.0).repeat_interleave(BLOCK)[: x.numel()]
+    assert torch.equal(codes, torch.round(x / step).to(torch.int8))
+    decoded = int8_decode(codes, scales, (x.numel(),))
+    assert torch.equal(decoded, codes.float() * scales.repeat_interleave(BLOCK)[: x.numel()])
+    assert not decoded[BLOCK : 2 * BLOCK].any() and decoded.dtype == torch.float32
 
 
 def test_small_tensors_travel_exactly_and_bytes_follow_the_codec():

@@ -76,19 +76,22 @@ def codec_named(name: str) -> Codec:
 
 def int8_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes of every value, fp32 scale per block of ``BLOCK``) of a float tensor."""
+    # one temporary of the tensor's size, rounded and clamped in place (the all-reduce encodes every part
+    # it sends on the averager's CPU: fewer passes over memory are a shorter round)
     flat = t.detach().reshape(-1).float()
-    pad = -flat.numel() % BLOCK
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127.0
+    n, pad = flat.numel(), -flat.numel() % BLOCK
+    blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1).div_(127.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1)[: flat.numel()], scales
+    codes = torch.div(blocks, safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1)[:n], scales
 
 
 def int8_decode(
     codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size | tuple[int, ...]
 ) -> torch.Tensor:
-    n = codes.numel()
-    pad = -n % BLOCK
-    blocks = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).view(-1, BLOCK)
-    return (blocks * scales[:, None]).view(-1)[:n].reshape(shape)
+    n, pad = codes.numel(), -codes.numel() % BLOCK
+    blocks = (torch.nn.functional.pad(codes, (0, pad)) if pad else codes).reshape(-1, BLOCK)
+    out = torch.empty(blocks.shape, dtype=torch.float32, device=codes.device)
+    torch.mul(blocks, scales[:, None], out=out)  # int8 times fp32 into fp32: no float copy of the codes
+    return out.view(-1)[:n].reshape(shape)
