@@ -7,10 +7,11 @@ holder and not on another (hivemind may drop a member during matchmaking; a dige
 partner's deadline), and then their copies differ for good, because nobody trains or averages afterwards.
 So every peer that is finishing publishes a digest of each group it holds (dense, its experts) under a
 per-group key, waits for the other finishing holders that are still live (one may still be in the round it
-had in flight, then in its last round), and the copies are compared: the largest set of agreeing copies wins (ties: the one with the smallest peer
-id), and a peer whose copy differs downloads the winner's (checked like any received tensor) and serves
-that from then on. Everybody computes the same winner from the same digests, so no further messages are
-needed; a holder whose digest never came is reported as unsettled.
+had in flight, then in its last round), and the copies are compared: the largest set of agreeing copies
+wins (ties: the one with the smallest peer id), and a peer whose copy differs downloads the winner's
+(checked like any received tensor) and serves that from then on. Everybody computes the same winner from
+the same digests, so no further messages are needed; a holder whose digest never came is reported as
+unsettled.
 """
 
 from __future__ import annotations
