@@ -32,6 +32,21 @@ def test_polls_for_a_fresh_copy_move_metadata_until_the_copy_is_fresh():
     assert downloads.received == 32 * 2  # fp16, once
 
 
+def test_a_copy_that_is_fresh_soon_after_the_first_ask_is_asked_for_again_soon():
+    """The holder's fresh copy comes 0.3 s after our first ask (its round started a step after ours): we
+    ask again after 0.05 s, then twice as long each time (up to 0.5 s), so within 0.3 s at least twice more
+    (asked every 0.5 s, it was once: the copy came at 0.5 s)."""
+    net = LocalNetwork()
+    server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {3: [torch.full((8, 4), 0.6)]}
+    server.update({"expert3": [torch.full((8, 4), 0.5)]}, step=90, final=False)
+    threading.Timer(0.3, server.update, ({"expert3": [torch.full((8, 4), 0.75)]}, 100, False)).start()
+    got, rejected, failures = downloads.fetch({3: [("b", 100)]}, mine, 100, False, time.monotonic() + 5)
+    assert rejected == failures == [] and got[3][0].tolist() == [[0.75] * 4] * 8
+    polls = _moved(net)
+    assert len(polls) >= 3 and polls[-1] == 32 and sum(polls) == 32, polls
+
+
 def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_one_whole_answer():
     net = LocalNetwork()
     server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)

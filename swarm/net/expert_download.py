@@ -38,6 +38,10 @@ from swarm.sync.codecs import Codec
 from swarm.sync.copy_prints import copy_doubt, copy_print, norm_factor, rms
 
 RETRY_S = 0.5
+# asking again for a copy that is not fresh yet: soon at first, then less often up to RETRY_S. On GPU peers
+# whose rounds start in the same slot, a holder serves its new copy a training step (and an encoding) after
+# we first ask; a fixed RETRY_S left the link idle for up to half a second of every refresh round
+FIRST_RETRY_S = 0.05
 ATTEMPTS = 3  # holders asked in turn for one expert, at most
 MAX_EMPTY_ANSWERS = 5  # a holder serves nothing until its first round; an ordinary round gives up
 # a holder behind us in steps: how long to wait for a copy newer than ours. With rounds on the wall clock
@@ -244,7 +248,7 @@ class ExpertDownloads:
         name: str | None = None,
         patience: int = MAX_EMPTY_ANSWERS,
     ) -> Served | None:
-        empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
+        empty_answers, label, latest, retry = 0, f"experts {wanted} from {peer[-8:]}", None, FIRST_RETRY_S
         items = tuple(expert_item(e) for e in wanted)
         # fresh: from this round; from a holder behind us, newer than ours (None: any copy)
         behind = peer_step < step
@@ -294,7 +298,8 @@ class ExpertDownloads:
                 latest = served if whole else latest
             elif whole and (min_step is None or min(s for s, _ in copies) >= min_step):
                 return served  # fresh from this round, or from a holder behind us and newer than ours
-            time.sleep(RETRY_S)
+            time.sleep(retry)
+            retry = min(RETRY_S, 2 * retry)
 
 
 @dataclass
