@@ -17,9 +17,11 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
   ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``), and
-  ``check_s`` where its checks' went (``RoundRecord.check_seconds``); ``round_fit``: a round's seconds as
-  ``fixed_s`` + ``per_payload`` x its payload's seconds on the link (least squares over the rounds): what a
-  round costs whatever it carries, and how close to the link's rate it carries the rest;
+  ``check_s`` where its checks' went (``RoundRecord.check_seconds``), ``downloads_s`` when a refresh
+  round's downloads began and ended and how long the longest waited for a holder's fresh copy;
+  ``round_fit``: a round's seconds as ``fixed_s`` + ``per_payload`` x its payload's seconds on the link
+  (least squares over the rounds): what a round costs whatever it carries, and how close to the link's
+  rate it carries the rest;
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -165,6 +167,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
+    fetches: dict[str, list[float]] = {}
     for i in range(n):
         recs = read_jsonl(run / f"peer{i}" / "metrics.jsonl")
         rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
@@ -181,6 +184,9 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
                 phases.setdefault(phase, []).append(s)
             for part, s in r.check_seconds.items():
                 checks.setdefault(part, []).append(s)
+            if r.downloads_ended_s is not None:  # a refresh round
+                for key in ("began", "ended", "waited"):
+                    fetches.setdefault(key, []).append(getattr(r, f"downloads_{key}_s"))
         moved = sum(a - b for a, b in zip(after[i], before[i], strict=True))
         link.append(moved / max(1, len(ordinary)))
         for line in (run / f"peer{i}.log").read_text().splitlines():
@@ -200,6 +206,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
+        "downloads_s": {k: round(statistics.median(v), 2) for k, v in fetches.items()},
         "round_fit": round_fit(points),
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
@@ -259,6 +266,8 @@ def print_table(rows: list[dict], args) -> None:
         phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
         if r["check_s"]:
             phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
+        if r["downloads_s"]:
+            phases += " (downloads: " + " ".join(f"{k} {s:g}" for k, s in r["downloads_s"].items()) + ")"
         if r["round_fit"]:
             fit = r["round_fit"]
             phases += f"; round = {fit['fixed_s']:g} s + {fit['per_payload']:g} x payload"

@@ -3,6 +3,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from swarm.net.expert_download import ExpertDownloads, Fresh
@@ -45,6 +46,8 @@ def test_a_copy_that_is_fresh_soon_after_the_first_ask_is_asked_for_again_soon()
     assert rejected == failures == [] and got[3][0].tolist() == [[0.75] * 4] * 8
     polls = _moved(net)
     assert len(polls) >= 3 and polls[-1] == 32 and sum(polls) == 32, polls
+    # the round record's downloads_waited_s: the waits between those asks
+    assert downloads.waited_s == pytest.approx(sum(min(0.5, 0.05 * 2**i) for i in range(len(polls) - 1)))
 
 
 def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_one_whole_answer():

@@ -97,6 +97,7 @@ def test_downloads_begin_with_the_round_or_once_its_groups_have_their_members(af
         assert rec.downloads_began_s >= formed, (rec.downloads_began_s, rec.phase_seconds)
     else:
         assert rec.downloads_began_s < formed / 2, (rec.downloads_began_s, rec.phase_seconds)
+    assert rec.downloads_began_s <= rec.downloads_ended_s <= rec.sync_seconds and rec.downloads_waited_s >= 0
 
 
 def test_a_late_member_is_abandoned_within_the_round_bound_and_the_next_round_runs():

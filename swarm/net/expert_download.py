@@ -69,6 +69,7 @@ class ExpertDownloads:
         self.deltas_name, self.codec = changes if changes else (None, None)
         self.download_s, self.max_rel_distance = download_s, max_rel_distance
         self.received = 0  # bytes that arrived during the last ``fetch``, as they travelled
+        self.waited_s = 0.0  # of the last ``fetch``: the longest any holder's copy was waited for to be fresh
         self.steps: dict[int, int] = {}  # of the copies the last ``fetch`` returned: the step each is from
         self._source: dict[int, str] = {}  # expert -> the holder our copy came from (whose changes fit it)
         self._received_lock = threading.Lock()  # holders are asked from threads of their own
@@ -120,7 +121,7 @@ class ExpertDownloads:
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
-        self.received, self.steps, self._held = 0, {}, dict(held or {})
+        self.received, self.steps, self._held, self.waited_s = 0, {}, dict(held or {}), 0.0
         self._copy_steps |= self._held
         self._rms = {e: rms(mine[e]) for e in holders if e in mine}
         # the freshest holders first, but those that gave us nothing before last: a member that claims
@@ -248,7 +249,8 @@ class ExpertDownloads:
         name: str | None = None,
         patience: int = MAX_EMPTY_ANSWERS,
     ) -> Served | None:
-        empty_answers, label, latest, retry = 0, f"experts {wanted} from {peer[-8:]}", None, FIRST_RETRY_S
+        empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
+        retry, waited = FIRST_RETRY_S, 0.0
         items = tuple(expert_item(e) for e in wanted)
         # fresh: from this round; from a holder behind us, newer than ours (None: any copy)
         behind = peer_step < step
@@ -299,7 +301,9 @@ class ExpertDownloads:
             elif whole and (min_step is None or min(s for s, _ in copies) >= min_step):
                 return served  # fresh from this round, or from a holder behind us and newer than ours
             time.sleep(retry)
-            retry = min(RETRY_S, 2 * retry)
+            waited, retry = waited + retry, min(RETRY_S, 2 * retry)
+            with self._received_lock:
+                self.waited_s = max(self.waited_s, waited)
 
 
 @dataclass

@@ -262,6 +262,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         result.download_steps = fetch.steps
         if fetch.began_at is not None:
             rec.downloads_began_s = round(fetch.began_at - t0, 3)
+        if fetch.ended_at is not None:
+            rec.downloads_ended_s, rec.downloads_waited_s = round(fetch.ended_at - t0, 3), fetch.waited_s
         rec.rejected += rejected
         phases.end("downloads")  # what is left of them once the groups are done
     merge_round(result, plan, ctx.sync, ctx.n_experts)

@@ -35,6 +35,8 @@ class RoundDownloads:
         self._thread: threading.Thread | None = None
         self.steps: dict[int, int] = {}  # of the copies fetched: the step each is from
         self.began_at: float | None = None  # monotonic: when the fetch began (past the gate, if any)
+        self.ended_at: float | None = None  # monotonic: when it ended
+        self.waited_s = 0.0  # the longest a holder's copy was waited for to be fresh (``ExpertDownloads``)
 
     @classmethod
     def start(
@@ -64,7 +66,8 @@ class RoundDownloads:
                 after.wait()
             self.began_at = time.monotonic()
             self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held)
-            self.steps = dict(self.downloads.steps)
+            self.steps, self.waited_s = dict(self.downloads.steps), self.downloads.waited_s
+            self.ended_at = time.monotonic()
         except Exception as e:  # reported by wait(): a download must not end the round's thread
             self._error = e
 

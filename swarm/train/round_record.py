@@ -47,6 +47,8 @@ class RoundRecord:
     # groups that serve them)
     check_seconds: dict[str, float] = field(default_factory=dict)
     downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
+    downloads_ended_s: float | None = None  # ... and ended
+    downloads_waited_s: float | None = None  # the longest a holder's copy was waited for to be fresh
     wire_total: int | None = None  # our p2pd's count (both directions) at the round's end, since we started
     final_adopted: list[str] = field(default_factory=list)  # after the last round: copies replaced
     final_unsettled: list[str] = field(default_factory=list)
