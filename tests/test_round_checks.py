@@ -52,20 +52,26 @@ def test_a_silent_member_vetoes_a_group_of_two_but_not_a_majority():
     assert any("experts 0,1: partial round: no digest" in r for r in results["a"].record.rejected)
 
 
-@pytest.mark.parametrize("heartbeat", ["stopped", "live"])
+@pytest.mark.parametrize("heartbeat", ["stopped", "round ended", "live"])
 def test_a_silent_member_whose_heartbeat_stopped_is_not_awaited_until_the_deadline(heartbeat):
-    """A pair whose other member went silent: if its heartbeat stopped too (killed), the round is dropped as
-    soon as the view says so; if it still publishes heartbeats (slow), it is awaited until the deadline."""
+    """A pair whose other member went silent: if its heartbeat stopped too (killed), or says it has ended
+    the round it took this group in (the group failed on its side), the round is dropped as soon as the view
+    says so; if it still publishes heartbeats of that round (slow), it is awaited until the deadline."""
     peers = {"a": [0, 1], "b": [0, 1]}
     swarm = Swarm(peers, faults=[Fault("silent", peer="b")])
     now = time.monotonic()
     last_heard = now - 10 * TIMING.record_ttl_s if heartbeat == "stopped" else now
     view = dataclasses.replace(swarm.view, heard_at={"a": now, "b": last_heard}, read_at=now)
+    if heartbeat == "round ended":  # b's round 1 (the plans' index) is over
+        b = dataclasses.replace(view.peers["b"], last_round=1)
+        view = dataclasses.replace(view, peers={**view.peers, "b": b})
     swarm.ctx["a"] = dataclasses.replace(swarm.ctx["a"], view_now=lambda: view)
     rec = swarm.round({p: swarm.plan(p) for p in peers})["a"].record
     assert [r.split(":")[0] for r in rec.rejected] == ["dense", "experts 0,1"], rec.rejected
-    if heartbeat == "stopped":
-        assert all("without a heartbeat since" in r for r in rec.rejected), rec.rejected
+    if heartbeat != "live":
+        assert all("without a heartbeat since, or done with that round" in r for r in rec.rejected), (
+            rec.rejected
+        )
         assert rec.phase_seconds["checks"] < TIMING.round_s / 3, rec.phase_seconds
     else:
         assert rec.phase_seconds["checks"] > TIMING.round_s / 2, rec.phase_seconds

@@ -27,12 +27,29 @@ if TYPE_CHECKING:
     from swarm.net.round import RoundContext
 
 
-def _gone(ctx: RoundContext) -> Callable[[str], bool]:
-    """Whether a member has published no heartbeat for a record's lifetime: it died or lost the network
-    (a live peer publishes every period), and its digest will not come."""
+def _gone(ctx: RoundContext, rounds: Mapping[str, int]) -> Callable[[str], bool]:
+    """Whether a member's digest will not come: it has published no heartbeat for a record's lifetime (it
+    died or lost the network: a live peer publishes every period), or its heartbeat says it has ended the
+    round (``rounds``: each member's round index, from its info) in which it took this group. A member
+    publishes its digest before its round ends, so one that ended it without had this group fail on its
+    side: hivemind's matchmaking can leave a member out of a group that the others formed."""
     if ctx.view_now is None:
         return lambda peer: False
-    return lambda peer: ctx.view_now().silent_for(peer) > ctx.timing.record_ttl_s
+
+    def gone(peer: str) -> bool:
+        view = ctx.view_now()
+        if view.silent_for(peer) > ctx.timing.record_ttl_s:
+            return True
+        beat = view.peers.get(peer)
+        return beat is not None and peer in rounds and beat.last_round >= rounds[peer]
+
+    return gone
+
+
+def _member_rounds(outcome: GroupOutcome, n_items: int) -> dict[str, int]:
+    """Each member's round index, from the info it sent (``check_outcome`` parsed every one already)."""
+    infos = {peer: RoundInfo.from_msg(msg, n_items) for peer, msg in outcome.members.items()}
+    return {peer: info.round for peer, info in infos.items() if info is not None}
 
 
 def add_time(spent: dict[str, float] | None, step: str, since: float) -> float:
@@ -121,7 +138,7 @@ def confirm_outcome(
     floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
     ok, why = await_digests(
         ctx.digests, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,
-        grace=ctx.timing.quorum_grace_s, gone=_gone(ctx),
+        grace=ctx.timing.quorum_grace_s, gone=_gone(ctx, _member_rounds(outcome, len(spec.items))),
     )  # fmt: skip
     t = add_time(spent, "await", t)
     if not ok:

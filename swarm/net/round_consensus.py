@@ -202,7 +202,7 @@ def await_digests(
             if differ:
                 return False, _differs(differ, seen, len(missing), mine)
             return False, f"partial round: no digest from {len(missing)} member(s)" + (
-                f" ({len(dead)} without a heartbeat since)" if dead else ""
+                f" ({len(dead)} without a heartbeat since, or done with that round)" if dead else ""
             )
         if differ and not _majority(agreeing, n):
             # a member that dropped out mid-round leaves the others' results differing and its own digest
