@@ -82,8 +82,11 @@ def agree_on_final_copies(
     unannounced: dict[str, list[float]] = {}
 
     def announce(name: str, value: list[float]) -> None:
-        record = {"digest": value, "time": store.now()}
-        stored = store.put(f"{run_id}_final_{name}", record, started + 2 * window, subkey=me, timeout=timeout)
+        # each try expires later than the last: a DHT node that kept a try which reported failure refuses
+        # another of the same expiration, and the try would fail for ever
+        now = store.now()
+        record = {"digest": value, "time": now}
+        stored = store.put(f"{run_id}_final_{name}", record, now + 2 * window, subkey=me, timeout=timeout)
         if stored:
             unannounced.pop(name, None)
         else:  # a store that failed (a loaded DHT) is tried again while we wait: the others wait for it
@@ -101,8 +104,9 @@ def agree_on_final_copies(
         return set(items[name].others - set(seen[name]))
 
     deadline = time.monotonic() + (timeout if wait is None else wait)
+    retry_until = time.monotonic() + timeout  # our own stores: tried again while we wait, or this long
     pending = {name for name, item in items.items() if item.others}
-    while (pending or unannounced) and time.monotonic() < deadline:
+    while (pending or (unannounced and time.monotonic() < retry_until)) and time.monotonic() < deadline:
         for name, value in list(unannounced.items()):
             announce(name, value)
         for name in list(pending):
@@ -115,7 +119,7 @@ def agree_on_final_copies(
                         seen[name][peer] = d
             if not any(still_coming(p) for p in missing(name)):
                 pending.discard(name)
-        if pending or unannounced:
+        if pending or (unannounced and time.monotonic() < retry_until):
             time.sleep(poll)
     unsettled = [f"{name}: no digest from {len(missing(name))} holder(s)" for name in items if missing(name)]
     adopted = []

@@ -55,10 +55,10 @@ def take_last_round(sync, model: MoETransformer, report: StepReport) -> list[Rou
         rec.final_adopted, rec.final_unsettled = adopted, unsettled
         rec.final_downloaded, rec.download_failures = downloaded, rec.download_failures + failures
         rec.applied = rec.applied or bool(adopted) or bool(downloaded)
-    # keep serving our experts until the others are done too (they may still be settling their replicas or
-    # downloading our final copies), at most a round timeout
+    # keep serving our experts until the others are done too: they may still be settling their replicas
+    # (up to the final agreement's wait), then downloading our final copies (up to a round timeout)
     sync.members.set_state("done")
-    sync.members.wait_until_others_done(sync.timing.round_s)
+    sync.members.wait_until_others_done(sync.timing.final_wait_s + sync.timing.round_s)
     return records
 
 
