@@ -100,13 +100,17 @@ def agree_on_final_copies(
         announce(name, mine[name])
     seen: dict[str, dict[str, list[float]]] = {name: {me: d} for name, d in mine.items()}
 
-    def missing(name: str) -> set[str]:
-        return set(items[name].others - set(seen[name]))
+    def missing(name: str) -> frozenset[str]:
+        return items[name].others - seen[name].keys()
 
     deadline = time.monotonic() + (timeout if wait is None else wait)
     retry_until = time.monotonic() + timeout  # our own stores: tried again while we wait, or this long
     pending = {name for name, item in items.items() if item.others}
-    while (pending or (unannounced and time.monotonic() < retry_until)) and time.monotonic() < deadline:
+
+    def busy() -> bool:  # digests to wait for, or ours still to store
+        return bool(pending) or bool(unannounced) and time.monotonic() < retry_until
+
+    while busy() and time.monotonic() < deadline:
         for name, value in list(unannounced.items()):
             announce(name, value)
         for name in list(pending):
@@ -119,7 +123,7 @@ def agree_on_final_copies(
                         seen[name][peer] = d
             if not any(still_coming(p) for p in missing(name)):
                 pending.discard(name)
-        if pending or (unannounced and time.monotonic() < retry_until):
+        if busy():
             time.sleep(poll)
     unsettled = [f"{name}: no digest from {len(missing(name))} holder(s)" for name in items if missing(name)]
     adopted = []
