@@ -219,6 +219,11 @@ class SyncConfig:
     # a refresh round's downloads begin once its groups have their members (True), not with the round:
     # on a narrow link they would otherwise queue matchmaking's messages behind the experts' copies
     downloads_after_matchmaking: bool = False
+    # a refresh round serves (holders) and downloads (the others) the copies agreed in the round before,
+    # from the round's start, instead of this round's once its groups are done: the downloads run alongside
+    # the groups rather than after them, and non-local copies are one round older. Every peer of a swarm
+    # must use the same
+    lagged_refresh: bool = False
     # how members tell each other their round results' digests: "direct" (a message to each member) or
     # "dht" (records in the DHT, a lookup each way). Every peer of a swarm must use the same
     digests: Literal["direct", "dht"] = "direct"

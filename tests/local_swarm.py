@@ -65,7 +65,7 @@ class Swarm:
         self.view = MembershipView(beats, self.holders, {})
 
     def plan(self, me: str, index: int = 1, weights: dict[str, float] | None = None, last: bool = False,
-             refresh: bool = True, step: int = 10):  # fmt: skip
+             refresh: bool = True, step: int = 10, copy_steps: dict[int, int] | None = None):  # fmt: skip
         local = self.experts[me]
         w = {DENSE: 1.0} | {expert_item(e): 1.0 for e in local} | (weights or {})
         specs, sole = layout("t", me, local, self.view.holders)
@@ -73,7 +73,7 @@ class Swarm:
         groups = [(s, self.ctx[me].groups.get(s, like)) for s in specs]
         frozen = {e: self.copies[me][e] for e in range(N_EXPERTS) if e not in local}
         return RoundPlan(index, step, self.dense[me], {e: self.copies[me][e] for e in local}, frozen, w,
-                         groups, sole, None, last, refresh=refresh)  # fmt: skip
+                         groups, sole, None, last, refresh=refresh, copy_steps=copy_steps or {})  # fmt: skip
 
     def round(self, plans: dict[str, RoundPlan]):
         results, threads = {}, []

@@ -6,9 +6,11 @@ import time
 import pytest
 import torch
 
-from swarm.net.expert_download import ExpertDownloads, Fresh
+from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.local_transport import LocalNetwork
+from swarm.net.served_steps import Fresh, served_steps
+from swarm.sync.codecs import codec_named
 
 
 def _holder(net: LocalNetwork) -> ExpertServer:
@@ -90,6 +92,64 @@ def test_from_a_holder_behind_us_only_a_copy_newer_than_ours_travels_and_it_is_w
     got, _, failures = downloads.fetch({3: [("b", 95)]}, mine, 100, False, time.monotonic() + 20, {3: 95})
     assert got == {} and failures == [] and set(_moved(net)[len(polls) :]) == {0}
     assert time.monotonic() - t0 < 8
+
+
+def test_a_lagged_refresh_takes_the_staged_copies_once_published_as_changes_and_waits_no_longer_than_the_groups():
+    """``sync.lagged_refresh``: a holder stages what its round agreed and serves it from its next refresh
+    round's start. Before that, a holder even ahead of us in steps serves only the copy we hold: nothing
+    travels, and we stop asking once our groups are done (not after ``BEHIND_PATIENCE_S``). Once published,
+    the staged copy comes at once, as the int8 change against the copy we hold."""
+    net, codec = LocalNetwork(codec=codec_named("int8")), codec_named("int8")
+    b = net.transport("b")
+    server = ExpertServer(b.open_server("t_experts"), b.open_server("t_expert_deltas", codec), codec)
+    downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0, ("t_expert_deltas", codec))
+    first = [torch.linspace(-1, 1, 512).reshape(16, 32)]
+    server.update({"expert3": first}, step=90, final=False)
+    got, _, _ = downloads.fetch({3: [("b", 90)]}, {3: first}, 90, False, time.monotonic() + 5)
+    mine = {3: [t.float() for t in got[3]]}  # the copy we hold, as it came (fp16)
+    agreed = [first[0] + 0.01 * torch.linspace(0, 1, 512).reshape(16, 32)]
+    server.stage({"expert3": agreed}, step=100)
+    assert server.staged() == {"expert3"} and served_steps(net.served["b", "t_experts"].meta) == {
+        "expert3": (90, False)
+    }
+    groups_done, t0 = threading.Event(), time.monotonic()
+    threading.Timer(0.3, groups_done.set).start()
+    got, _, failures = downloads.fetch({3: [("b", 110)]}, mine, 110, False, t0 + 20, {3: 90}, groups_done)
+    assert got == {} and failures == [] and time.monotonic() - t0 < 1.0
+    before = len(net.fetched)
+    server.publish_staged()  # the holder's next refresh round starts
+    assert server.staged() == set()
+    got, _, failures = downloads.fetch({3: [("b", 110)]}, mine, 110, False, time.monotonic() + 5, {3: 90},
+                                       threading.Event())  # fmt: skip
+    assert failures == [] and downloads.steps == {3: 100}
+    assert (got[3][0].float() - agreed[0]).abs().max() <= 0.01 / 127 + 1e-3  # the int8 step, fp16
+    moved = [(name, values) for _, peer, name, values in net.fetched[before:] if peer == "b" and values]
+    assert moved == [("t_expert_deltas", 512)], moved  # the change, not a whole copy
+    # a copy served now supersedes one staged earlier
+    server.stage({"expert3": first}, step=120)
+    server.update({"expert3": agreed}, step=130, final=False)
+    assert server.staged() == set()
+
+
+def test_a_first_copy_comes_as_a_change_when_ours_is_the_holders_base_and_whole_otherwise():
+    """Every peer starts from the same initialisation, so a holder's first change is taken against the very
+    copy a downloader holds: the first refresh travels as a change too (int8: about half an fp16 copy). A
+    downloader whose copy differs gets no change (our copy's hash goes with the ask, so only metadata
+    travels), and the whole copy instead."""
+    net, codec = LocalNetwork(codec=codec_named("int8")), codec_named("int8")
+    b = net.transport("b")
+    server = ExpertServer(b.open_server("t_experts"), b.open_server("t_expert_deltas", codec), codec)
+    init = [torch.linspace(-1, 1, 512).reshape(16, 32)]
+    server.update({"expert3": init}, step=0, final=False)  # as a peer starts
+    trained = [init[0] + 0.01 * torch.cos(torch.arange(512.0)).reshape(16, 32)]
+    server.update({"expert3": trained}, step=10, final=False)
+    for me, mine, travelled in (("a", init, "t_expert_deltas"), ("c", [init[0] + 0.5], "t_experts")):
+        downloads = ExpertDownloads(net.transport(me), "t_experts", 5.0, 4.0, ("t_expert_deltas", codec))
+        got, _, failures = downloads.fetch({3: [("b", 10)]}, {3: mine}, 10, False, time.monotonic() + 5)
+        assert failures == [] and downloads.steps == {3: 10}, me
+        assert (got[3][0].float() - trained[0]).abs().max() <= 0.02 / 127 + 2e-3, me
+        moved = [(name, values) for who, _, name, values in net.fetched if who == me and values]
+        assert moved == [(travelled, 512)], (me, moved)
 
 
 def test_fresh_reads_served_metadata_and_refuses_what_is_malformed():

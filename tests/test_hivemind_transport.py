@@ -15,7 +15,6 @@ from hivemind.averaging.control import StepControl
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
-from swarm.net.expert_download import Fresh
 from swarm.net.hivemind_group import HivemindGroup, await_step
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
@@ -28,6 +27,7 @@ from swarm.net.round_consensus import (
     publish_digest,
 )
 from swarm.net.served_prints import metadata_only
+from swarm.net.served_steps import Fresh
 from swarm.net.timing import Timing
 from swarm.net.traffic import TrafficMeter
 from swarm.sync.codecs import codec_named

@@ -100,6 +100,39 @@ def test_downloads_begin_with_the_round_or_once_its_groups_have_their_members(af
     assert rec.downloads_began_s <= rec.downloads_ended_s <= rec.sync_seconds and rec.downloads_waited_s >= 0
 
 
+@pytest.mark.parametrize("lagged", [False, True])
+def test_a_lagged_refresh_downloads_the_copies_agreed_the_round_before_without_waiting_for_the_groups(lagged):
+    """b and c average experts 2 and 3, and their outcomes come 1 s late. Refreshed as usual, a's copies
+    are those of this round, once b's and c's groups are done. With ``sync.lagged_refresh`` a round brings
+    those its holders agreed the round before, at once; the first brings none (none agreed yet), and does
+    not wait past our groups for them."""
+    peers = {"a": [0, 1], "b": [2, 3], "c": [2, 3]}
+    sync = SyncConfig(max_rel_distance=4.0, lagged_refresh=lagged)
+    swarm = Swarm(peers, sync=sync, faults=[Fault("delay", peer=p, seconds=1.0) for p in "bc"])
+    for p, local in peers.items():  # as a peer starts: its initial copies served, as of step 0
+        swarm.ctx[p].server.update({expert_item(e): swarm.copies[p][e] for e in local}, 0, False)
+    held = {e: 0 for e in range(N_EXPERTS)}
+    first = swarm.round({p: swarm.plan(p, copy_steps=held) for p in peers})
+    rec = first["a"].record
+    assert rec.download_failures == [] and rec.downloads_ended_s <= rec.sync_seconds, rec
+    agreed = {e: first["b"].experts[e][1] for e in (2, 3)}
+    if not lagged:
+        assert sorted(first["a"].downloads) == [2, 3] and rec.downloads_ended_s >= 1.0, rec
+        got, steps = first["a"].downloads, first["a"].download_steps
+    else:
+        assert first["a"].downloads == {}, rec  # b and c serve their initial copies: no newer than ours
+        swarm.at_step(20)
+        second = swarm.round({p: swarm.plan(p, index=2, step=20, copy_steps=held) for p in peers})
+        rec = second["a"].record
+        assert sorted(second["a"].downloads) == [2, 3] and rec.download_failures == [], rec
+        assert rec.downloads_ended_s < 0.5 and rec.sync_seconds >= 1.0, rec  # not behind the groups
+        got, steps = second["a"].downloads, second["a"].download_steps
+    assert steps == {2: 10, 3: 10}
+    for e in (2, 3):
+        for t, want in zip(got[e], agreed[e], strict=True):
+            assert t.dtype == torch.float16 and torch.allclose(t.float(), want, atol=2e-3 * want.abs().max())
+
+
 def test_a_late_member_is_abandoned_within_the_round_bound_and_the_next_round_runs():
     peers = {"a": [0, 1], "b": [2, 3]}
     swarm = Swarm(peers, faults=[Fault("delay", peer="b", round=1, seconds=30.0)])

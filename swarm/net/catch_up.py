@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.model import MoETransformer
-from swarm.net.expert_download import served_steps
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat
 from swarm.net.round_info import MAX_REFERENCE
 from swarm.net.served_prints import PrintViews, gather_metadata, gather_prints
+from swarm.net.served_steps import served_steps
 from swarm.net.transport import GroupTransport
 
 RETRY_S = 1.0

@@ -32,6 +32,7 @@ import torch
 
 from swarm.net.expert_server import copy_hash
 from swarm.net.group_layout import expert_item, served_items
+from swarm.net.served_steps import Fresh, fits_any, served_steps
 from swarm.net.transport import GroupTransport, Served
 from swarm.sync import RejectedTensor, check_tensors, outlying_changes, relative_change
 from swarm.sync.codecs import Codec
@@ -77,6 +78,7 @@ class ExpertDownloads:
         self._print_refs: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
+        self._lagged: threading.Event | None = None  # of the current fetch: ``fetch``'s ``lagged``
         # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none),
         # and of the current fetch the RMS value of each: how far a new copy may have grown (``norm_factor``)
         self._copy_steps: dict[int, int] = {}
@@ -114,14 +116,19 @@ class ExpertDownloads:
         final: bool,
         deadline: float,
         held: Mapping[int, int] | None = None,
+        lagged: threading.Event | None = None,
     ) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
         """({expert: tensors}, rejected, failures) for the experts in ``holders`` (expert -> (peer, its
         last reported step) pairs). ``final``: only a holder's final copy (settled after its last round).
-        ``held``: the step of each copy we hold (a holder behind us serves nothing newer until its round)."""
+        ``held``: the step of each copy we hold (a holder behind us serves nothing newer until its round).
+        ``lagged`` (``sync.lagged_refresh``: a holder serves its last round's copies from its round's
+        start): every holder is asked as one behind us is, for a copy newer than ours, until the event is
+        set (our groups are done: a holder that has none by then has none this round)."""
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
         self.received, self.steps, self._held, self.waited_s = 0, {}, dict(held or {}), 0.0
+        self._lagged = lagged
         self._copy_steps |= self._held
         self._rms = {e: rms(mine[e]) for e in holders if e in mine}
         # the freshest holders first, but those that gave us nothing before last: a member that claims
@@ -180,7 +187,8 @@ class ExpertDownloads:
     ) -> _HolderAnswer:
         answer = _HolderAnswer()
         if self.deltas_name and not final:  # the changes since our copy, where they fit it
-            fits = [e for e in wanted if self._source.get(e) == peer]
+            # a copy of unknown source may still fit (every peer starts from the same initialisation)
+            fits = [e for e in wanted if self._source.get(e, peer) == peer]
             changed = self._changes(peer, peer_step, fits, mine, step, deadline, answer.steps) if fits else {}
             answer.accept(changed, mine, self._max_distance)
             wanted = [e for e in wanted if e not in answer.copies]
@@ -213,12 +221,16 @@ class ExpertDownloads:
         gets the step each new copy is from."""
         # patience as for copies: a holder serves no change until its first round after the one that made
         # our copy (downloads start with our round, and its round may start a moment later)
-        per_item = len(mine[wanted[0]])
-        served = self._fresh(peer, peer_step, wanted, per_item, step, False, deadline, [], self.deltas_name)
+        # our copies' hashes go with the ask: changes that fit none of them do not travel
+        ours = {expert_item(e): copy_hash(mine[e]) for e in wanted}
+        per_item, name = len(mine[wanted[0]]), self.deltas_name
+        served = self._fresh(
+            peer, peer_step, wanted, per_item, step, False, deadline, [], name, tuple(ours.items())
+        )
         if served is None:
             return {}
         meta = served.meta
-        items = served_items(meta, served.tensors, len(mine[wanted[0]]))
+        items = served_items(meta, served.tensors, per_item)
         names, bases, hashes = meta.get("items"), meta.get("base"), meta.get("hash")
         if not all(isinstance(v, list) for v in (names, bases, hashes)) or not (
             len(bases) == len(hashes) == len(names)
@@ -227,7 +239,7 @@ class ExpertDownloads:
         out = {}
         for e in wanted:
             k = names.index(expert_item(e)) if expert_item(e) in names else None
-            if k is None or expert_item(e) not in items or copy_hash(mine[e]) != bases[k]:
+            if k is None or expert_item(e) not in items or ours[expert_item(e)] != bases[k]:
                 continue
             base = [t.detach().to("cpu", torch.float16) for t in mine[e]]
             new = [(b.float() + c.float()).half() for b, c in zip(base, items[expert_item(e)], strict=True)]
@@ -247,20 +259,24 @@ class ExpertDownloads:
         deadline: float,
         failures: list[str],
         name: str | None = None,
+        bases: tuple[tuple[str, str], ...] = (),
         patience: int = MAX_EMPTY_ANSWERS,
     ) -> Served | None:
+        """The holder's copies (or, ``bases`` given, its changes against copies of these hashes) once fresh;
+        the latest it served, or None, when it gives up."""
         empty_answers, label, latest = 0, f"experts {wanted} from {peer[-8:]}", None
         retry, waited = FIRST_RETRY_S, 0.0
         items = tuple(expert_item(e) for e in wanted)
         # fresh: from this round; from a holder behind us, newer than ours (None: any copy)
-        behind = peer_step < step
+        behind = peer_step < step or self._lagged is not None
         have = [self._held[e] for e in wanted if e in self._held]
         min_step = step if not behind else (min(have) + 1 if have else None)
         newer_only = behind and bool(have)  # nothing newer within the patience: we keep ours, no failure
         give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if newer_only else deadline
         while True:
             left = deadline - time.monotonic()
-            if left <= RETRY_S or time.monotonic() >= give_up:
+            lag_over = newer_only and self._lagged is not None and self._lagged.is_set()
+            if left <= RETRY_S or time.monotonic() >= give_up or lag_over:
                 if latest is None and not newer_only:
                     failures.append(f"{label}: no fresh copy before the deadline")
                 elif final:  # its newest copy is better than ours, but not what its other holders end with
@@ -268,7 +284,7 @@ class ExpertDownloads:
                 return latest
             # only a copy worth having travels; after the last round, the first answer comes whole (the
             # newest copy, kept in case the holder never settles), then only a final one
-            fresh = Fresh(items, min_step, final) if not final or latest else None
+            fresh = Fresh(items, min_step, final, bases) if not final or latest else None
             served = self.transport.fetch(peer, name or self.server_name, min(left, self.download_s), fresh)
             if served is not None:  # every answer counts: tensors travel whole, or not at all (``fresh``)
                 encoded = name is not None and name == self.deltas_name
@@ -298,9 +314,15 @@ class ExpertDownloads:
                 if whole and all(is_final for _, is_final in copies):
                     return served
                 latest = served if whole else latest
-            elif whole and (min_step is None or min(s for s, _ in copies) >= min_step):
-                return served  # fresh from this round, or from a holder behind us and newer than ours
-            time.sleep(retry)
+            elif min_step is None or min(s for s, _ in copies) >= min_step:
+                if whole:
+                    return served  # fresh from this round, or from a holder behind us and newer than ours
+                if not fits_any(served.meta, bases):
+                    return None  # fresh, but no change against a copy of ours: a whole copy will do
+            if newer_only and self._lagged is not None:
+                self._lagged.wait(retry)  # woken when our groups are done
+            else:
+                time.sleep(retry)
             waited, retry = waited + retry, min(RETRY_S, 2 * retry)
             with self._received_lock:
                 self.waited_s = max(self.waited_s, waited)
@@ -326,34 +348,3 @@ class _HolderAnswer:
                 self.rejected.append(str(err))
                 continue
             self.copies[e] = tensors
-
-
-@dataclass(frozen=True)
-class Fresh:
-    """Whether a holder's served metadata offers the copies worth downloading (``GroupTransport.fetch``'s
-    ``accept``): every item, each final (``final``) or from ``min_step`` on (None: any step)."""
-
-    items: tuple[str, ...]
-    min_step: int | None
-    final: bool
-
-    def __call__(self, meta: Mapping) -> bool:
-        steps = served_steps(meta)
-        if not all(i in steps for i in self.items):
-            return False
-        if self.final:
-            return all(steps[i][1] for i in self.items)
-        return self.min_step is None or min(steps[i][0] for i in self.items) >= self.min_step
-
-
-def served_steps(meta: Mapping) -> dict[str, tuple[int, bool]]:
-    """{item: (step, final)} of what a holder serves; {} if its metadata is malformed."""
-    items, steps, final = meta.get("items"), meta.get("steps"), meta.get("final")
-    ok = isinstance(items, list) and isinstance(steps, list) and isinstance(final, list)
-    if not ok or not len(items) == len(steps) == len(final):
-        return {}
-    return {
-        i: (s, bool(f))
-        for i, s, f in zip(items, steps, final, strict=True)
-        if isinstance(i, str) and isinstance(s, int) and not isinstance(s, bool)
-    }

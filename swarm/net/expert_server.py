@@ -15,6 +15,10 @@ copy it was computed against, and checks the result. Because every change is tak
 copy, not against the previous true value, the codec's error never accumulates along the chain. Final
 copies are always whole (fp16 of the true value). Copies are replaced whole (a download never sees half
 of an update). The holder keeps, per local expert, its copy and the change (host memory).
+
+With ``sync.lagged_refresh`` a round stages what it agreed (``stage``: an fp16 copy, host memory) and the
+next refresh round serves it from its start (``publish_staged``), so that downloaders need not wait for
+the holder's groups: the chain is the same, one round later.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class ExpertServer:
         self.codec = codec
         self._copies: dict[str, tuple[list[torch.Tensor], int, bool]] = {}
         self._changes: dict[str, tuple[list[torch.Tensor], str, str]] = {}  # change, base hash, new hash
+        self._staged: dict[str, tuple[list[torch.Tensor], int]] = {}  # fp16 copy, its step
         self._lock = threading.Lock()  # the round thread updates, the training thread keeps
 
     @property
@@ -53,8 +58,31 @@ class ExpertServer:
         return [self.group] if self.deltas is None else [self.group, self.deltas]
 
     def update(self, items: Mapping[str, Sequence[torch.Tensor]], step: int, final: bool) -> None:
-        copies, changes = {}, {}
-        for i, ts in items.items():
+        """Serve these copies from now on (and drop any staged copy of them: these are newer)."""
+        self._install({i: (ts, step) for i, ts in items.items()}, final)
+
+    def stage(self, items: Mapping[str, Sequence[torch.Tensor]], step: int) -> None:
+        """Copies to serve from the next ``publish_staged`` on, replacing any staged before."""
+        staged = {
+            i: ([t.detach().to("cpu", torch.float16, copy=True) for t in ts], step) for i, ts in items.items()
+        }
+        with self._lock:
+            self._staged.update(staged)
+
+    def staged(self) -> set[str]:
+        with self._lock:
+            return set(self._staged)
+
+    def publish_staged(self) -> None:
+        """Serve the staged copies (an ordinary, non-final update), and forget them."""
+        with self._lock:
+            staged, self._staged = self._staged, {}
+        if staged:
+            self._install(staged, final=False)
+
+    def _install(self, items: Mapping[str, tuple[Sequence[torch.Tensor], int]], final: bool) -> None:
+        copies, changes, steps = {}, {}, {i: step for i, (_, step) in items.items()}
+        for i, (ts, _) in items.items():
             with self._lock:
                 before = self._copies.get(i)
             if self.deltas is None or before is None or final:
@@ -65,9 +93,10 @@ class ExpertServer:
             new = [(b.float() + self.codec.roundtrip(c)).half() for b, c in zip(base, change, strict=True)]
             copies[i], changes[i] = new, (change, copy_hash(base), copy_hash(new))
         with self._lock:
-            self._copies.update({i: (ts, step, final) for i, ts in copies.items()})
+            self._copies.update({i: (ts, steps[i], final) for i, ts in copies.items()})
             for i in copies:
                 self._changes.pop(i, None)
+                self._staged.pop(i, None)
             self._changes.update(changes)
             self._publish()
 
@@ -75,6 +104,7 @@ class ExpertServer:
         with self._lock:
             self._copies = {i: c for i, c in self._copies.items() if i in items}
             self._changes = {i: c for i, c in self._changes.items() if i in items}
+            self._staged = {i: c for i, c in self._staged.items() if i in items}
             self._publish()
 
     def _publish(self) -> None:

@@ -137,12 +137,15 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     result = RoundResult(rec)
     local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)
+    lagged = ctx.sync.lagged_refresh and not plan.last
     if plan.refresh:
         ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
+        if lagged:  # what our last round agreed
+            ctx.server.publish_staged()
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
 
-    fetch, started, all_started = None, [], threading.Event()
+    fetch, started, all_started, groups_done = None, [], threading.Event(), threading.Event()
     # after a last round, copies are fetched once the holders have settled them (last_round)
     if not plan.last and plan.refresh:
         holders = {
@@ -156,7 +159,14 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
 
             gate = Gate(have_members, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
         fetch = RoundDownloads.start(
-            ctx.downloads, holders, plan.frozen, plan.step, deadline, plan.copy_steps, gate
+            ctx.downloads,
+            holders,
+            plan.frozen,
+            plan.step,
+            deadline,
+            plan.copy_steps,
+            gate,
+            groups_done if lagged else None,
         )
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
@@ -243,10 +253,13 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 _serve_quietly(group, served, meta | {"ref": ref_id} | prints, rec)
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
-            if plan.refresh:
+            if lagged:  # served from our next refresh round's start
+                ctx.server.stage(copies, plan.step)
+            elif plan.refresh:
                 ctx.server.update(copies, plan.step, final=False)
         add_time(rec.check_seconds, "serve", serving_from)
     phases.end("checks")
+    groups_done.set()
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])
     for e in plan.experts:

@@ -48,24 +48,28 @@ class RoundDownloads:
         deadline: float,
         held: Mapping[int, int] | None = None,
         after: Gate | None = None,
+        lagged: threading.Event | None = None,
     ) -> RoundDownloads:
         """``held``: the step of each copy we hold (``ExpertDownloads.fetch``). ``after``: begin once it
         opens (the round's groups have their members), so that the downloads do not hold up matchmaking's
-        messages on a narrow link."""
+        messages on a narrow link. ``lagged``: any copy newer than ours will do, until it is set (our
+        groups are done): ``sync.lagged_refresh``, holders serve their last round's copies from its start."""
         self = cls(downloads, deadline)
         self._thread = threading.Thread(
-            target=self._run, args=(holders, mine, step, held, after), name="swarm-round-downloads",
+            target=self._run, args=(holders, mine, step, held, after, lagged), name="swarm-round-downloads",
             daemon=True,
         )  # fmt: skip
         self._thread.start()
         return self
 
-    def _run(self, holders, mine, step: int, held, after: Gate | None) -> None:
+    def _run(
+        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None
+    ) -> None:
         try:
             if after is not None:
                 after.wait()
             self.began_at = time.monotonic()
-            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held)
+            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held, lagged)
             self.steps, self.waited_s = dict(self.downloads.steps), self.downloads.waited_s
             self.ended_at = time.monotonic()
         except Exception as e:  # reported by wait(): a download must not end the round's thread
