@@ -279,3 +279,21 @@ def test_a_coded_average_is_the_plain_mean_within_the_codecs_error():
                 assert err <= bound, (name, part, i, err)
                 worst = max(worst, err)
     assert worst > 0  # the codec did drop something: this is not the plain mean again
+
+
+def test_stream_rate_plans_who_takes_from_whom_in_every_case():
+    from benchmarks.stream_rate import parse_args, schedule, slot_s, takers
+
+    assert takers("p2p_one_way", 4) == {1: [0]} and takers("tcp_both_ways", 4) == {0: [1], 1: [0]}
+    assert takers("p2p_all_to_all", 3) == {0: [1, 2], 1: [0, 2], 2: [0, 1]}
+    two = parse_args(["--hosts", "2", "--streams", "1,4", "--repeats", "2"])
+    assert schedule(two) == [(c, k) for c, k in [
+        ("tcp_one_way", 1), ("tcp_both_ways", 1),
+        ("p2p_one_way", 1), ("p2p_both_ways", 1), ("p2p_one_way", 4), ("p2p_both_ways", 4),
+    ] for _ in range(2)]  # fmt: skip
+    four = parse_args(["--mbit", "20", "--mb", "5"])  # the all-to-all cases only with three hosts or more
+    assert [c for c, _ in schedule(four)].count("p2p_all_to_all") == 2 * 3  # streams 1 and 4, 3 repeats
+    assert slot_s(four) == 3 * 5 * 8 / 20 + 2.0
+    for bad in (["--hosts", "1"], ["--streams", "0"], ["--mb", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
