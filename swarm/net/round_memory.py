@@ -7,7 +7,9 @@ A round holds on the host, until the training thread applies it:
 Non-local experts are read in place (one tensor at a time, for checks and the merge warm-up), never copied
 whole. Besides the round, each averaging group keeps one fp32 host buffer of its tensors for as long as the
 peer runs (hivemind's averager shares it with its process; the dense group also serves from it between
-rounds), and the expert server an fp16 copy of each local expert; those are listed separately.
+rounds), and the expert server an fp16 copy of each local expert (with a lossy codec also its fp32 change,
+and with ``sync.lagged_refresh`` a second fp16 copy, staged, of each replicated one: not counted here);
+those are listed separately.
 
     parts = round_host_bytes(cfg.model, n_local=4)
     parts.round_total, parts.averager_buffers
