@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 SUBNET = "10.213.0"
@@ -57,6 +59,23 @@ def remove_leftovers() -> list[str]:
                 _ip("link", "delete", name, check=False)
             removed.append(name)
     return removed
+
+
+def prepare_benchmark() -> str | None:
+    """What a benchmark that shapes links does first: why it cannot run here (or None); names left by a
+    killed earlier run removed (said on stderr); SIGTERM raised as KeyboardInterrupt from then on, so that
+    the benchmark's cleanup (its processes stopped, ``ShapedLan`` closed) runs when it is stopped."""
+    why = check_can_shape()
+    if why:
+        return why
+    for name in remove_leftovers():
+        print(f"removed {name}, left by an earlier run", file=sys.stderr)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    return None
 
 
 class ShapedLan:

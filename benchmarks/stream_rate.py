@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.netns_links import ShapedLan, check_can_shape, remove_leftovers  # noqa: E402
+from benchmarks.netns_links import ShapedLan, prepare_benchmark  # noqa: E402
 
 CASES = ("tcp_one_way", "tcp_both_ways", "p2p_one_way", "p2p_both_ways")
 TCP_PORT = 5601
@@ -210,17 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         host(args)
         return 0
-    why = check_can_shape()
+    why = prepare_benchmark()
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    for name in remove_leftovers():
-        print(f"removed {name}, left by an earlier run", file=sys.stderr)
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt  # run's cleanup: every process stopped, every namespace removed
-
-    signal.signal(signal.SIGTERM, interrupted)
     rows = run(args)
     for r in rows:
         if args.json:

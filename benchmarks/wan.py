@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.netns_links import ShapedLan, check_can_shape, remove_leftovers  # noqa: E402
+from benchmarks.netns_links import ShapedLan, prepare_benchmark  # noqa: E402
 from peers.demo import wait_for_maddr  # noqa: E402
 from peers.demo_summary import read_jsonl  # noqa: E402
 from swarm.config import RunConfig, load_config, save_config  # noqa: E402
@@ -218,17 +218,10 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    why = check_can_shape()
+    why = prepare_benchmark()
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    for name in remove_leftovers():
-        print(f"removed {name}, left by an earlier run", file=sys.stderr)
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupted)
     base = Path(args.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     subprocess.run([sys.executable, "-m", "swarm.data.cli", "stdlib"], cwd=ROOT, check=True,
                    capture_output=True)  # fmt: skip  # the corpus, built once before the peers race for it
