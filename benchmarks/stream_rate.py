@@ -49,9 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--streams", default="1,4", help="comma-separated parallel streams for p2p (default 1,4)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON object per case per line")
-    ap.add_argument("--role", help=argparse.SUPPRESS)  # inside a namespace: boot | host<i>
+    ap.add_argument("--role", help=argparse.SUPPRESS)  # inside a namespace: host<i>
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--addresses", help=argparse.SUPPRESS)
+    ap.add_argument("--initial-peers", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.streams = [int(k) for k in args.streams.split(",")]
@@ -106,7 +107,7 @@ def host(args) -> None:
                 conn.sendall(bytes(size))
 
     threading.Thread(target=send_tcp, daemon=True).start()
-    dht = start_dht(json.loads((d / "boot.json").read_text()), host=addresses[me])
+    dht = start_dht([args.initial_peers], host=addresses[me])
     timing = Timing(
         matchmaking_s=3, round_s=60, download_s=60, heartbeat_s=5, request_s=2, final_agreement_s=5
     )
@@ -144,11 +145,13 @@ def host(args) -> None:
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = sum(pool.map(lambda job: take_one(*job), jobs))
         print(json.dumps({"case": case, "streams": k, "bytes": got, "s": time.monotonic() - t0}), flush=True)
+    transport.close_groups(servers)  # each averager removes its socket (a killed one would leave it)
     dht.shutdown()
 
 
 def run(args) -> list[dict]:
     from benchmarks.wan import Processes
+    from peers.demo import wait_for_maddr
 
     d = Path(f"/tmp/stream_rate_{time.strftime('%H%M%S')}")
     d.mkdir(parents=True)
@@ -158,19 +161,15 @@ def run(args) -> list[dict]:
     n = args.hosts
     with ShapedLan(n + 1, args.mbit) as lan:
         try:
-            boot = [*me, *common, "--role", "boot", "--addresses", lan.address(n)]
-            procs.start(lan.command(n, boot), d / "boot.log")
-            deadline = time.monotonic() + 60
-            while not (d / "boot.json").exists():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the bootstrap node did not start: {(d / 'boot.log').read_text()[-500:]}"
-                    )
-                time.sleep(0.2)
+            boot = [sys.executable, "-m", "bootstrap.main", "--host", lan.address(n)]
+            maddr = wait_for_maddr(
+                d / "bootstrap.log", procs.start(lan.command(n, boot), d / "bootstrap.log")
+            )
             start = time.time() + 20 + 5 * n  # every host up and serving by then
             addresses = ",".join(lan.address(i) for i in range(n))
             for i in range(n):
-                argv = [*me, *common, "--role", f"host{i}", "--addresses", addresses, "--start", str(start)]
+                argv = [*me, *common, "--role", f"host{i}", "--addresses", addresses, "--initial-peers", maddr,
+                        "--start", str(start)]  # fmt: skip
                 procs.start(lan.command(i, argv), d / f"host{i}.log")
             end = start + len(schedule(args)) * slot_s(args) + 30
             while time.time() < end and any(p.poll() is None for p in procs.procs[1:]):
@@ -199,13 +198,6 @@ def run(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.role == "boot":
-        from swarm.net.dht_node import start_dht, visible_maddrs
-
-        dht = start_dht([], host=args.addresses, port=31337)
-        (Path(args.dir) / "boot.json").write_text(json.dumps(visible_maddrs(dht)))
-        while True:
-            time.sleep(60)
     if args.role:
         host(args)
         return 0
