@@ -48,6 +48,7 @@ from benchmarks.netns_links import ShapedLan, prepare_benchmark  # noqa: E402
 from peers.demo import wait_for_maddr  # noqa: E402
 from peers.demo_summary import read_jsonl  # noqa: E402
 from swarm.config import RunConfig, load_config, save_config  # noqa: E402
+from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets  # noqa: E402
 from swarm.train.round_record import RoundRecord  # noqa: E402
 
 CODECS = ("fp32", "fp16", "int8")
@@ -92,10 +93,12 @@ def model_bytes(cfg: RunConfig) -> int:
 
 
 class Processes:
-    """Every process this benchmark starts, each in a session of its own: stopped by process group."""
+    """Every process this benchmark starts, each in a session of its own: stopped by process group, and the
+    p2p sockets left by any that had to be killed removed."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.sockets_before = p2p_sockets()
 
     def start(self, argv: list[str], log: Path) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -117,6 +120,7 @@ class Processes:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
         self.procs = []
+        remove_stale_p2p_sockets(self.sockets_before)
 
 
 def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
