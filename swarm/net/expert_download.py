@@ -273,9 +273,10 @@ class ExpertDownloads:
         min_step = step if not behind else (min(have) + 1 if have else None)
         newer_only = behind and bool(have)  # nothing newer within the patience: we keep ours, no failure
         give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if newer_only else deadline
+        groups_done = self._lagged if newer_only else None  # a lagged refresh asks no longer than that
         while True:
             left = deadline - time.monotonic()
-            lag_over = newer_only and self._lagged is not None and self._lagged.is_set()
+            lag_over = groups_done is not None and groups_done.is_set()
             if left <= RETRY_S or time.monotonic() >= give_up or lag_over:
                 if latest is None and not newer_only:
                     failures.append(f"{label}: no fresh copy before the deadline")
@@ -319,8 +320,8 @@ class ExpertDownloads:
                     return served  # fresh from this round, or from a holder behind us and newer than ours
                 if not fits_any(served.meta, bases):
                     return None  # fresh, but no change against a copy of ours: a whole copy will do
-            if newer_only and self._lagged is not None:
-                self._lagged.wait(retry)  # woken when our groups are done
+            if groups_done is not None:
+                groups_done.wait(retry)  # woken when our groups are done
             else:
                 time.sleep(retry)
             waited, retry = waited + retry, min(RETRY_S, 2 * retry)
