@@ -17,6 +17,12 @@ def _holder(net: LocalNetwork) -> ExpertServer:
     return ExpertServer(net.transport("b").open_server("t_experts"))
 
 
+def _int8_holder(net: LocalNetwork, codec) -> ExpertServer:
+    """b serving its copies and, int8-encoded, their changes."""
+    b = net.transport("b")
+    return ExpertServer(b.open_server("t_experts"), b.open_server("t_expert_deltas", codec), codec)
+
+
 def _moved(net: LocalNetwork) -> list[int]:
     return [values for who, peer, name, values in net.fetched if (who, peer, name) == ("a", "b", "t_experts")]
 
@@ -100,8 +106,7 @@ def test_a_lagged_refresh_takes_the_staged_copies_once_published_as_changes_and_
     travels, and we stop asking once our groups are done (not after ``BEHIND_PATIENCE_S``). Once published,
     the staged copy comes at once, as the int8 change against the copy we hold."""
     net, codec = LocalNetwork(codec=codec_named("int8")), codec_named("int8")
-    b = net.transport("b")
-    server = ExpertServer(b.open_server("t_experts"), b.open_server("t_expert_deltas", codec), codec)
+    server = _int8_holder(net, codec)
     downloads = ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0, ("t_expert_deltas", codec))
     first = [torch.linspace(-1, 1, 512).reshape(16, 32)]
     server.update({"expert3": first}, step=90, final=False)
@@ -137,8 +142,7 @@ def test_a_first_copy_comes_as_a_change_when_ours_is_the_holders_base_and_whole_
     downloader whose copy differs gets no change (our copy's hash goes with the ask, so only metadata
     travels), and the whole copy instead."""
     net, codec = LocalNetwork(codec=codec_named("int8")), codec_named("int8")
-    b = net.transport("b")
-    server = ExpertServer(b.open_server("t_experts"), b.open_server("t_expert_deltas", codec), codec)
+    server = _int8_holder(net, codec)
     init = [torch.linspace(-1, 1, 512).reshape(16, 32)]
     server.update({"expert3": init}, step=0, final=False)  # as a peer starts
     trained = [init[0] + 0.01 * torch.cos(torch.arange(512.0)).reshape(16, 32)]
