@@ -40,7 +40,7 @@ TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.
                 final_agreement_s=5.0)  # fmt: skip
 
 
-def _member(i, maddrs, out):
+def _member(i, maddrs, out, ready):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our DHT and p2pd
     # forked from a worker whose OpenMP pool earlier tests used: a parallel torch op (filling the 1M-value
     # copy below) would wait forever for the pool's threads, which the fork did not copy
@@ -56,7 +56,9 @@ def _member(i, maddrs, out):
             [torch.full((EXPERT_NUMEL,), float(i), dtype=torch.float16)],
             {"items": ["expert0"], "steps": [i], "final": [False]},
         )
-        time.sleep(1.0)
+        # all three look for a group at once: a member whose start up took longer than the leader's
+        # matchmaking window (3 s, under the suite's load) would leave the other two to average as a pair
+        ready.wait(timeout=60)
         handle = group.start(
             iter(tensors), {"i": i}, matchmaking_s=20, expected=3
         )  # begins once all 3 are in
@@ -75,8 +77,8 @@ def _member(i, maddrs, out):
 def test_members_average_to_the_exact_mean_and_serve_copies():
     boot = start_dht()
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(i, visible_maddrs(boot), out)) for i in range(3)]
+    out, ready = ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_member, args=(i, visible_maddrs(boot), out, ready)) for i in range(3)]
     try:
         for p in procs:
             p.start()
