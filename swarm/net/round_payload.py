@@ -18,11 +18,14 @@ common one.
 Error feedback: a member adds what the codec dropped from its last sent payload to the next one, so
 quantisation error is delayed, never lost. The residual is the exact difference between what was encoded and
 what a receiver decodes (``Codec.roundtrip`` is what the wire does), kept only once the round is applied.
-Both cost one host copy of the group's tensors each; an fp32 run keeps neither.
+Both cost one host copy of the group's tensors each; an fp32 run keeps neither. The residual is computed on
+first use (``SentPayload.residuals``): ``run_round`` asks for it once its groups have started, so that the
+codec's pass over the tensors runs during the all-reduce instead of before matchmaking.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +40,14 @@ from swarm.sync.codecs import Codec
 class SentPayload:
     tensors: Iterable[torch.Tensor]  # packed (w * (x - r) per item, then the weights), compensated
     reference: str  # the id of the reference the deltas are against; "" for plain weights
-    residuals: list[torch.Tensor] | None  # what the codec will drop from ``tensors`` (error feedback)
+    feedback: Codec | None = None  # with error feedback: the codec whose error ``residuals`` is
+
+    @functools.cached_property
+    def residuals(self) -> list[torch.Tensor] | None:
+        """What the codec drops from ``tensors`` (all but the weights), or None without error feedback."""
+        if self.feedback is None:
+            return None
+        return [t - self.feedback.roundtrip(t) for t in list(self.tensors)[:-1]]
 
 
 class Payloads:
@@ -71,7 +81,7 @@ class Payloads:
         weights: Mapping[str, float],
     ) -> SentPayload:
         if self.codec.lossless:  # one packed tensor at a time into the group's buffers: no extra copy
-            return SentPayload(pack(spec, local, weights), "", None)
+            return SentPayload(pack(spec, local, weights), "")
         ref_id = self.reference_id(spec)
         with self._lock:
             ref = self._refs[spec.name][1] if ref_id else None
@@ -81,8 +91,7 @@ class Payloads:
         tensors = list(pack(spec, local, weights))
         if residual is not None and len(residual) == len(tensors) - 1:
             tensors = [t + e for t, e in zip(tensors, residual, strict=False)] + [tensors[-1]]
-        residuals = [t - self.codec.roundtrip(t) for t in tensors[:-1]] if self.error_feedback else None
-        return SentPayload(tensors, ref_id, residuals)
+        return SentPayload(tensors, ref_id, self.codec if self.error_feedback else None)
 
     def decode(
         self, spec: GroupSpec, sent: SentPayload, averaged: list[torch.Tensor], sizes: Mapping[str, int]
