@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/memory.py, step_speed.py, gpu_step.py (tiny shapes) and aggregation.py (seconds,
-no speed asserts).
+"""Smoke tests of benchmarks/memory.py, step_speed.py, gpu_step.py, round_cpu.py (tiny shapes) and
+aggregation.py (seconds, no speed asserts).
 
 Each script runs as a subprocess with ``--tiny --json``; the tests check the exit code and the ratios the
 JSON reports. Timings are never asserted (the machine is shared and noisy): only that they were measured.
@@ -28,6 +28,14 @@ RUNS = {
     "gpu_step": ["gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split()],
     "gpu_step_bare": ["gpu_step.py"],  # no arguments: skips on a machine without CUDA
     "aggregation": ["aggregation.py", *"--repeats 1 --members 2 3 --json".split()],
+    "round_cpu": [
+        "round_cpu.py",
+        *(
+            "--device cpu --repeats 1 --json --set model.vocab_size=512 --set "
+            "model.d_model=64 --set model.n_layers=2 --set model.expert_hidden=64 --set "
+            "data.micro_batch=1 --set data.seq_len=16"
+        ).split(),
+    ],
 }
 
 
@@ -297,3 +305,13 @@ def test_stream_rate_plans_who_takes_from_whom_in_every_case():
     for bad in (["--hosts", "1"], ["--streams", "0"], ["--mb", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_round_cpu_benchmark_times_every_part_alone_and_beside_training(runs):
+    from benchmarks.round_cpu import PARTS
+
+    *rows, summary = [json.loads(line) for line in _stdout(runs, "round_cpu").splitlines()]
+    assert [r["part"] for r in rows] == list(PARTS)
+    for r in rows:
+        assert r["ops"] > 0 and r["idle_ms"] > 0 and r["training_ms"] > 0 and r["ratio"] > 0, r
+    assert summary["device"] == "cpu" and summary["steps_per_s_alone"] > 0

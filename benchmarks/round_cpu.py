@@ -1,0 +1,210 @@
+"""A round's CPU work on a peer, alone and beside its training thread: what a round's fixed seconds cost.
+
+    python benchmarks/round_cpu.py                                  # demo shape, int8, default device
+    python benchmarks/round_cpu.py --shape wide --device cuda --json
+    python benchmarks/round_cpu.py --switch-interval-ms 1           # the GIL handed over more often
+
+A peer's round runs on a thread of the process that trains, and every torch op it runs gives up the GIL
+and takes it back, so the same work can take far longer while the training thread runs (on a GPU peer that
+thread is mostly Python launching kernels). Each part is the project's own code, called as ``run_round``
+calls it, on host fp32 copies of a model of the chosen shape (``--shape`` as in wan.py, ``--set``):
+
+- ``serve``: ``ExpertServer.update`` of the peer's local experts (with a lossy codec: each change, its
+  roundtrip and two hashes), on the in-memory transport;
+- ``encode``: ``Payloads.encode`` of the dense payload against an agreed reference, and its error-feedback
+  residual;
+- ``digest``: ``round_consensus.digest`` of that payload (the round's consensus check);
+- ``decode``: ``Payloads.decode`` and ``commit`` of an averaged payload.
+
+For each: the tensors it goes through, the ATen ops it runs (``OpCounter``), and its median milliseconds over ``--repeats`` idle, then
+beside a training thread (the model's forward, backward and AdamW step on random tokens, on ``--device``),
+and their ratio; then the training steps per second alone and while the parts ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.op_count import OpCounter  # noqa: E402
+from swarm.config import load_config  # noqa: E402
+from swarm.model import MoETransformer  # noqa: E402
+from swarm.net.expert_server import ExpertServer  # noqa: E402
+from swarm.net.expert_tensors import dense_tensors, expert_tensors, snapshot  # noqa: E402
+from swarm.net.group_layout import DENSE, GroupSpec, expert_item  # noqa: E402
+from swarm.net.local_transport import LocalNetwork  # noqa: E402
+from swarm.net.round_consensus import digest  # noqa: E402
+from swarm.net.round_payload import Payloads  # noqa: E402
+from swarm.sync.codecs import codec_named  # noqa: E402
+
+SHAPES = {  # as benchmarks/wan.py's
+    "demo": [],
+    "wide": ["model.d_model=256", "model.expert_hidden=512", "model.n_layers=4", "model.n_heads=4"],
+}
+PARTS = ("serve", "encode", "digest", "decode")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--codec", default="int8", choices=["fp32", "fp16", "int8"])
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="of the training thread (default: cuda if any)")
+    ap.add_argument("--local", type=int, default=4, help="experts the peer holds (default 4)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls of each part (default 5)")
+    ap.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: Python's)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    return ap.parse_args(argv)
+
+
+class RoundWork:
+    """The parts of a round's CPU work on fixed host copies: ``run(part)`` does one part once."""
+
+    def __init__(self, model: MoETransformer, local: list[int], codec_name: str) -> None:
+        codec = codec_named(codec_name)
+        self.dense = snapshot(dense_tensors(model))
+        self.experts = {expert_item(e): snapshot(expert_tensors(model, e)) for e in local}
+        net = LocalNetwork(codec=codec)
+        transport = net.transport("me")
+        deltas = None if codec.lossless else transport.open_server("bench_expert_deltas", codec)
+        self.server = ExpertServer(transport.open_server("bench_experts"), deltas, codec)
+        self.server.update(self.experts, 0, final=False)  # the copy the next updates are changes against
+        self.spec, self.payloads, self.step = GroupSpec("bench_dense", (DENSE,)), Payloads(codec), 0
+        first = self.payloads.encode(self.spec, {DENSE: self.dense}, {DENSE: 1.0})
+        self._commit(first)  # an agreed reference: later payloads are changes against it
+        self.sent = self.payloads.encode(self.spec, {DENSE: self.dense}, {DENSE: 1.0})
+
+    def _commit(self, sent) -> None:
+        averaged = [t.clone() for t in sent.tensors]
+        averages, _ = self.payloads.decode(self.spec, sent, averaged, {DENSE: len(self.dense)})
+        self.payloads.commit(self.spec, sent, averages, f"ref{self.step}")
+
+    def tensors(self, part: str) -> int:
+        """How many tensors ``part`` goes through."""
+        return sum(map(len, self.experts.values())) if part == "serve" else len(self.dense) + 1
+
+    def run(self, part: str) -> None:
+        self.step += 1
+        if part == "serve":
+            self.server.update(self.experts, self.step, final=False)
+        elif part == "encode":
+            self.sent = self.payloads.encode(self.spec, {DENSE: self.dense}, {DENSE: 1.0})
+            _ = self.sent.residuals
+        elif part == "digest":
+            digest(list(self.sent.tensors))
+        elif part == "decode":
+            self._commit(self.sent)
+        else:
+            raise ValueError(part)
+
+
+class Training:
+    """A training thread: the model's steps on random tokens until stopped; ``steps`` counts them."""
+
+    def __init__(self, model: MoETransformer, batch: int, seq: int, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), device=device)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        self.steps, self._stop, self._thread = 0, threading.Event(), None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            out = self.model(self.tokens[:, :-1], self.tokens[:, 1:])
+            out.loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.item()  # a trainer reads its loss: on a GPU, the step's one wait for the device
+            self.steps += 1
+
+    def __enter__(self) -> Training:
+        self._thread = threading.Thread(target=self._loop, name="bench-training", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self._stop.clear()
+
+    def rate(self, seconds: float) -> float:
+        """Steps per second over the next ``seconds``."""
+        start = self.steps
+        time.sleep(seconds)
+        return (self.steps - start) / seconds
+
+
+def timed(work: RoundWork, part: str, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls, after one untimed."""
+    work.run(part)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        work.run(part)
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device", file=sys.stderr)
+        return 2
+    cfg = load_config(args.config, SHAPES[args.shape] + list(args.set))
+    local = list(range(min(args.local, cfg.model.n_experts)))
+    model = MoETransformer(cfg.model, local_experts=local).to(device)
+    work = RoundWork(model, local, args.codec)
+    ops = {}
+    for part in PARTS:
+        with OpCounter() as counter:
+            work.run(part)
+        ops[part] = sum(counter.counts.values())
+    idle = {part: timed(work, part, args.repeats) for part in PARTS}
+    training = Training(model, cfg.data.micro_batch, cfg.data.seq_len, device)
+    with training:
+        alone = training.rate(2.0)
+        t, start = time.perf_counter(), training.steps
+        loaded = {part: timed(work, part, args.repeats) for part in PARTS}
+        during = (training.steps - start) / (time.perf_counter() - t)
+    rows = [
+        {"part": p, "tensors": work.tensors(p), "ops": ops[p], "idle_ms": round(idle[p], 2), "training_ms": round(loaded[p], 2),
+         "ratio": round(loaded[p] / idle[p], 2) if idle[p] > 0 else None}
+        for p in PARTS
+    ]  # fmt: skip
+    summary = {
+        "shape": args.shape, "codec": args.codec, "device": device.type, "torch_threads": torch.get_num_threads(),
+        "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
+        "steps_per_s_alone": round(alone, 2), "steps_per_s_during": round(during, 2),
+    }  # fmt: skip
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        print(json.dumps(summary))
+        return 0
+    print(f"{args.shape} shape, {args.codec}, training on {device.type}; "
+          f"switch interval {summary['switch_interval_ms']:g} ms")  # fmt: skip
+    print(f"{'part':8} {'ops':>6} {'idle ms':>9} {'training ms':>12} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['part']:8} {r['ops']:>6} {r['idle_ms']:>9.1f} {r['training_ms']:>12.1f} {r['ratio']:>6.2f}"
+        )
+    print(f"training steps/s: {alone:.1f} alone, {during:.1f} while the parts ran")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
