@@ -315,3 +315,6 @@ def test_round_cpu_benchmark_times_every_part_alone_and_beside_training(runs):
     for r in rows:
         assert r["ops"] > 0 and r["idle_ms"] > 0 and r["training_ms"] > 0 and r["ratio"] > 0, r
     assert summary["device"] == "cpu" and summary["steps_per_s_alone"] > 0
+    # op counts are exact: the digest takes a dozen ops per tensor, not a dozen per segment of each
+    digest = rows[PARTS.index("digest")]
+    assert digest["ops"] <= 20 * digest["tensors"], digest

@@ -88,8 +88,11 @@ def test_a_digest_is_each_segments_sum_of_magnitudes_and_its_sum_under_the_repea
     torch.manual_seed(0)
     tensors = [
         torch.randn(3 * SIGN_PERIOD * SEGMENTS + 100_003),
-        torch.randn(17, 5).t(),
-    ]  # one not contiguous
+        torch.randn(17, 5).t(),  # not contiguous
+        torch.randn(1000, 37)[::3],  # strided rows
+        torch.randn(SEGMENTS - 3),  # fewer values than segments: some are empty
+        torch.randn(0),
+    ]
     want, scale = [], []
     for t in tensors:
         for seg in t.reshape(-1).double().tensor_split(SEGMENTS):
@@ -97,7 +100,7 @@ def test_a_digest_is_each_segments_sum_of_magnitudes_and_its_sum_under_the_repea
             want += [float(seg.abs().sum()), float((seg * signs).sum())]
             scale += [float(seg.abs().sum())] * 2
     got = digest(tensors)
-    assert len(got) == 4 * SEGMENTS
+    assert len(got) == 2 * SEGMENTS * len(tensors)
     assert all(abs(g - w) <= 1e-6 * s + 1e-9 for g, w, s in zip(got, want, scale, strict=True))
     assert got[0::2] == pytest.approx(want[0::2], rel=1e-12)
     assert abs_sums(tensors) == got[0::2]

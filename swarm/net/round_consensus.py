@@ -52,14 +52,26 @@ def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> s
 def abs_sums(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Per slot, the sum of |x|: ``digest(tensors)[0::2]`` without the projections (``digests_agree``'s
     floor)."""
-    sums: list[float] = []
+    return _fold(tensors, signed=False)[0::2]
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Per tensor and per segment: (sum of |x|, a signed random projection), folded into at most
+    ``MAX_PAIRS`` pairs (slot = segment number mod MAX_PAIRS) so that a record stays small whatever the
+    number of tensors (hivemind refuses values of a few KB)."""
+    return _fold(tensors, signed=True)
+
+
+def _fold(tensors: Sequence[torch.Tensor], signed: bool) -> list[float]:
+    pairs: list[list[float]] = []
     for i, t in enumerate(tensors):
-        for j, seg in enumerate(t.detach().reshape(-1).float().tensor_split(SEGMENTS)):
+        for j, pair in enumerate(_segment_sums(t, signed)):
             slot = (i * SEGMENTS + j) % MAX_PAIRS
-            if slot == len(sums):
-                sums.append(0.0)
-            sums[slot] += float(seg.abs().sum(dtype=torch.float64))
-    return sums
+            if slot == len(pairs):
+                pairs.append([0.0, 0.0])
+            pairs[slot][0] += pair[0]
+            pairs[slot][1] += pair[1]
+    return [x for pair in pairs for x in pair]
 
 
 @functools.cache
@@ -69,30 +81,33 @@ def _signs() -> torch.Tensor:
     return torch.randint(0, 2, (SIGN_PERIOD,), generator=gen, dtype=torch.float32).mul_(2).sub_(1)
 
 
-def _signed_sum(seg: torch.Tensor) -> float:
-    """The segment's values times the sign pattern repeated from its start, summed: a row of the pattern's
-    length at a time in float32 (one matrix-vector product), the rows in float64."""
-    signs, whole = _signs(), seg.numel() // SIGN_PERIOD * SIGN_PERIOD
-    rows = seg[:whole].view(-1, SIGN_PERIOD) @ signs
-    tail = seg[whole:] * signs[: seg.numel() - whole]
-    return float(rows.sum(dtype=torch.float64)) + float(tail.sum(dtype=torch.float64))
+def _segment_sums(t: torch.Tensor, signed: bool) -> list[list[float]]:
+    """[sum of |x|, sum of x times the sign pattern repeated from the segment's start (0.0 unless
+    ``signed``)] for each of the ``SEGMENTS`` segments of ``t.tensor_split(SEGMENTS)`` (flattened).
 
-
-def digest(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Per tensor and per segment: (sum of |x|, a signed random projection), folded into at most
-    ``MAX_PAIRS`` pairs (slot = segment number mod MAX_PAIRS) so that a record stays small whatever the
-    number of tensors (hivemind refuses values of a few KB)."""
-    pairs: list[list[float]] = []
-    for i, t in enumerate(tensors):
-        # no float64 copy of the round's tensors, and no signs drawn per value (both took most of a
-        # round's checks on a GPU machine's free cores): a fixed pattern, repeated, does the projection
-        for j, seg in enumerate(t.detach().reshape(-1).float().contiguous().tensor_split(SEGMENTS)):
-            slot = (i * SEGMENTS + j) % MAX_PAIRS
-            if slot == len(pairs):
-                pairs.append([0.0, 0.0])
-            pairs[slot][0] += float(seg.abs().sum(dtype=torch.float64))
-            pairs[slot][1] += _signed_sum(seg)
-    return [x for pair in pairs for x in pair]
+    The segments are taken as the rows of two matrices (the first ``n % SEGMENTS`` one value longer), so a
+    tensor costs a dozen torch ops, not a dozen per segment: a round's digest runs on the thread of a
+    process that trains, where each op gives up the GIL and waits to get it back (``round_cpu.py``). A row's
+    projection is summed in float32 a pattern's length at a time (matrix-vector products), then in float64.
+    """
+    flat = t.detach().reshape(-1).float()
+    q, r = divmod(flat.numel(), SEGMENTS)
+    out: list[list[float]] = []
+    for rows in (flat[: r * (q + 1)].view(r, q + 1), flat[r * (q + 1) :].view(SEGMENTS - r, q)):
+        if rows.shape[0] == 0:
+            continue
+        mags = rows.abs().sum(dim=1, dtype=torch.float64)
+        proj = torch.zeros_like(mags)
+        length = rows.shape[1]
+        if signed and length:
+            signs, whole = _signs(), length // SIGN_PERIOD * SIGN_PERIOD
+            if whole:
+                blocks = rows[:, :whole].reshape(rows.shape[0], whole // SIGN_PERIOD, SIGN_PERIOD)
+                proj += (blocks @ signs).sum(dim=1, dtype=torch.float64)
+            if length > whole:
+                proj += (rows[:, whole:] * signs[: length - whole]).sum(dim=1, dtype=torch.float64)
+        out += torch.stack([mags, proj], dim=1).tolist()
+    return out
 
 
 def digests_agree(
