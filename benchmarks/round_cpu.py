@@ -7,14 +7,19 @@
 A peer's round runs on a thread of the process that trains, and every torch op it runs gives up the GIL
 and takes it back, so the same work can take far longer while the training thread runs (on a GPU peer that
 thread is mostly Python launching kernels). Each part is the project's own code, called as ``run_round``
-calls it, on host fp32 copies of a model of the chosen shape (``--shape`` as in wan.py, ``--set``):
+calls it, on host fp32 copies of a model of the chosen shape (``--shape`` as in wan.py, ``--set``), with a
+peer's own ``RoundContext`` on hivemind (two DHT nodes on 127.0.0.1: ours, and a holder of the experts we
+do not hold):
 
 - ``serve``: ``ExpertServer.update`` of the peer's local experts (with a lossy codec: each change, its
-  roundtrip and two hashes), on the in-memory transport;
+  roundtrip and two hashes);
 - ``encode``: ``Payloads.encode`` of the dense payload against an agreed reference, and its error-feedback
   residual;
 - ``digest``: ``round_consensus.digest`` of that payload (the round's consensus check);
-- ``decode``: ``Payloads.decode`` and ``commit`` of an averaged payload.
+- ``decode``: ``Payloads.decode`` and ``commit`` of an averaged payload;
+- ``download``: ``ExpertDownloads.fetch`` of every expert we do not hold, as changes from the holder
+  (its transfer on 127.0.0.1 and its decoding in hivemind's processes included), rebuilt onto our copies
+  and checked.
 
 For each: the tensors it goes through, the ATen ops it runs (``OpCounter``), and its median milliseconds over ``--repeats`` idle, then
 beside a training thread (the model's forward, backward and AdamW step on random tokens, on ``--device``),
@@ -38,21 +43,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.op_count import OpCounter  # noqa: E402
-from swarm.config import load_config  # noqa: E402
+from swarm.config import RunConfig, load_config  # noqa: E402
 from swarm.model import MoETransformer  # noqa: E402
-from swarm.net.expert_server import ExpertServer  # noqa: E402
+from swarm.net.dht_node import start_dht, visible_maddrs  # noqa: E402
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, snapshot  # noqa: E402
 from swarm.net.group_layout import DENSE, GroupSpec, expert_item  # noqa: E402
-from swarm.net.local_transport import LocalNetwork  # noqa: E402
+from swarm.net.hivemind_group import close_groups  # noqa: E402
+from swarm.net.hivemind_transport import HivemindStore, HivemindTransport  # noqa: E402
+from swarm.net.round import RoundContext  # noqa: E402
 from swarm.net.round_consensus import digest  # noqa: E402
-from swarm.net.round_payload import Payloads  # noqa: E402
+from swarm.net.timing import Timing  # noqa: E402
 from swarm.sync.codecs import codec_named  # noqa: E402
 
 SHAPES = {  # as benchmarks/wan.py's
     "demo": [],
     "wide": ["model.d_model=256", "model.expert_hidden=512", "model.n_layers=4", "model.n_heads=4"],
 }
-PARTS = ("serve", "encode", "digest", "decode")
+PARTS = ("serve", "encode", "digest", "decode", "download")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,21 +77,39 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class RoundWork:
-    """The parts of a round's CPU work on fixed host copies: ``run(part)`` does one part once."""
+    """The parts of a round's CPU work on fixed host copies, with a peer's own ``RoundContext`` on hivemind
+    (two DHT nodes on 127.0.0.1: ours, and a holder serving the experts we do not hold): ``run(part)``
+    does one part once. Use as a context manager (it stops the hivemind processes)."""
 
-    def __init__(self, model: MoETransformer, local: list[int], codec_name: str) -> None:
-        codec = codec_named(codec_name)
+    def __init__(self, cfg: RunConfig, model: MoETransformer, local: list[int]) -> None:
         self.dense = snapshot(dense_tensors(model))
         self.experts = {expert_item(e): snapshot(expert_tensors(model, e)) for e in local}
-        net = LocalNetwork(codec=codec)
-        transport = net.transport("me")
-        deltas = None if codec.lossless else transport.open_server("bench_expert_deltas", codec)
-        self.server = ExpertServer(transport.open_server("bench_experts"), deltas, codec)
-        self.server.update(self.experts, 0, final=False)  # the copy the next updates are changes against
-        self.spec, self.payloads, self.step = GroupSpec("bench_dense", (DENSE,)), Payloads(codec), 0
+        others = [e for e in range(cfg.model.n_experts) if e not in local]
+        self.frozen = {e: snapshot(expert_tensors(model, e)) for e in others}  # our copies of them
+        self.dhts = [start_dht()]
+        self.dhts.append(start_dht(visible_maddrs(self.dhts[0])))
+        self.contexts = [_context(cfg, dht) for dht in self.dhts]
+        ours, holder = self.contexts
+        self.server, self.downloads, self.holder = ours.server, ours.downloads, holder.me
+        ours.server.update(self.experts, 0, final=False)  # the copies the next updates are changes against
+        # the holder's experts: served at step 0 as we hold them, then changed at step 1
+        theirs = {expert_item(e): ts for e, ts in self.frozen.items()}
+        holder.server.update(theirs, 0, final=False)
+        moved = {i: [t + 1e-3 * torch.randn_like(t) for t in ts] for i, ts in theirs.items()}
+        holder.server.update(moved, 1, final=False)
+        self.spec, self.payloads, self.step = GroupSpec("bench_dense", (DENSE,)), ours.payloads, 0
         first = self.payloads.encode(self.spec, {DENSE: self.dense}, {DENSE: 1.0})
         self._commit(first)  # an agreed reference: later payloads are changes against it
         self.sent = self.payloads.encode(self.spec, {DENSE: self.dense}, {DENSE: 1.0})
+
+    def __enter__(self) -> RoundWork:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for ctx in self.contexts:
+            close_groups(ctx.server.groups)
+        for dht in reversed(self.dhts):
+            dht.shutdown()
 
     def _commit(self, sent) -> None:
         averaged = [t.clone() for t in sent.tensors]
@@ -93,7 +118,11 @@ class RoundWork:
 
     def tensors(self, part: str) -> int:
         """How many tensors ``part`` goes through."""
-        return sum(map(len, self.experts.values())) if part == "serve" else len(self.dense) + 1
+        if part == "serve":
+            return sum(map(len, self.experts.values()))
+        if part == "download":
+            return sum(map(len, self.frozen.values()))
+        return len(self.dense) + 1
 
     def run(self, part: str) -> None:
         self.step += 1
@@ -106,8 +135,22 @@ class RoundWork:
             digest(list(self.sent.tensors))
         elif part == "decode":
             self._commit(self.sent)
+        elif part == "download":  # the holder's changes, rebuilt onto our copies and checked
+            holders = {e: [(self.holder, 1)] for e in self.frozen}
+            held = dict.fromkeys(self.frozen, 0)
+            deadline = time.monotonic() + 60
+            got, rejected, failures = self.downloads.fetch(holders, self.frozen, 1, False, deadline, held)
+            if sorted(got) != sorted(self.frozen):
+                raise RuntimeError(f"download: got {sorted(got)}; {rejected + failures}")
         else:
             raise ValueError(part)
+
+
+def _context(cfg: RunConfig, dht) -> RoundContext:
+    """A peer's round context on ``dht``, built as a peer builds it (``RoundContext.build``)."""
+    timing = Timing.from_config(cfg.sync)
+    transport = HivemindTransport(dht, timing, codec_named(cfg.sync.codec))
+    return RoundContext.build(cfg, HivemindStore(dht), transport, timing)
 
 
 class Training:
@@ -164,22 +207,24 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, SHAPES[args.shape] + list(args.set))
+    cfg = load_config(args.config, SHAPES[args.shape] + [f"sync.codec={args.codec}", *args.set])
     local = list(range(min(args.local, cfg.model.n_experts)))
-    model = MoETransformer(cfg.model, local_experts=local).to(device)
-    work = RoundWork(model, local, args.codec)
-    ops = {}
-    for part in PARTS:
-        with OpCounter() as counter:
-            work.run(part)
-        ops[part] = sum(counter.counts.values())
-    idle = {part: timed(work, part, args.repeats) for part in PARTS}
-    training = Training(model, cfg.data.micro_batch, cfg.data.seq_len, device)
-    with training:
-        alone = training.rate(2.0)
-        t, start = time.perf_counter(), training.steps
-        loaded = {part: timed(work, part, args.repeats) for part in PARTS}
-        during = (training.steps - start) / (time.perf_counter() - t)
+    model = MoETransformer(cfg.model, local_experts=local)
+    model.init_weights(cfg.train.seed)  # every peer's start: its copies of the others' experts included
+    model.to(device)
+    with RoundWork(cfg, model, local) as work:
+        ops = {}
+        for part in PARTS:
+            with OpCounter() as counter:
+                work.run(part)
+            ops[part] = sum(counter.counts.values())
+        idle = {part: timed(work, part, args.repeats) for part in PARTS}
+        training = Training(model, cfg.data.micro_batch, cfg.data.seq_len, device)
+        with training:
+            alone = training.rate(2.0)
+            t, start = time.perf_counter(), training.steps
+            loaded = {part: timed(work, part, args.repeats) for part in PARTS}
+            during = (training.steps - start) / (time.perf_counter() - t)
     rows = [
         {"part": p, "tensors": work.tensors(p), "ops": ops[p], "idle_ms": round(idle[p], 2), "training_ms": round(loaded[p], 2),
          "ratio": round(loaded[p] / idle[p], 2) if idle[p] > 0 else None}
