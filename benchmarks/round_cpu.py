@@ -21,9 +21,10 @@ do not hold):
   (its transfer on 127.0.0.1 and its decoding in hivemind's processes included), rebuilt onto our copies
   and checked.
 
-For each: the tensors it goes through, the ATen ops it runs (``OpCounter``), and its median milliseconds over ``--repeats`` idle, then
-beside a training thread (the model's forward, backward and AdamW step on random tokens, on ``--device``),
-and their ratio; then the training steps per second alone and while the parts ran.
+For each: the tensors it goes through, the ATen ops it runs on the calling thread (``OpCounter``: a
+download's work on its holder threads is not counted), and its median milliseconds over ``--repeats``
+idle, then beside a training thread (the model's forward, backward and AdamW step on random tokens, on
+``--device``), and their ratio; then the training steps per second alone and while the parts ran.
 """
 
 from __future__ import annotations

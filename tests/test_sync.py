@@ -162,6 +162,49 @@ def test_tensor_checks():
     assert clamp_weight(1e9, 1e6) == 1e6 and clamp_weight(-3, 10) == 0 and clamp_weight(math.nan, 10) == 0
 
 
+def test_a_copy_comparison_decides_and_measures_as_the_separate_checks_do():
+    """``CopyComparison`` (one pass per sum, for downloaded copies) against ``check_tensors``,
+    ``relative_change`` and ``copy_doubt`` on the same copies: the same verdicts, messages and numbers."""
+    from swarm.sync import CopyComparison, check_tensors, relative_change
+    from swarm.sync.copy_prints import copy_doubt, norm_doubt
+
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.randn(64, 32, generator=gen).to(torch.bfloat16), torch.randn(100, generator=gen)]
+    moved = [(t.float() + 0.05 * torch.randn(t.shape, generator=gen)).half() for t in ours]
+    copies = {
+        "moved": moved,
+        "negated": [-t for t in moved],
+        "zeroed": [torch.zeros_like(t) for t in moved],
+        "scaled": [3 * t for t in moved],
+        "far": [t + 100 for t in moved],
+        "nan": [moved[0], torch.full((100,), math.nan, dtype=torch.float16)],
+        "inf": [moved[0], torch.full((100,), math.inf)],
+        "overflowing": [moved[0], torch.full((100,), 1e30)],  # finite values whose squares overflow
+        "shape": [moved[0], torch.zeros(99)],
+        "dtype": [moved[0], torch.zeros(100, dtype=torch.long)],
+        "count": moved[:1],
+    }
+    for label, copy in copies.items():
+        try:
+            check_tensors("expert3", copy, ours, 4.0)
+            want = ""
+        except RejectedTensor as e:
+            want = str(e)
+        try:
+            compared = CopyComparison.of("expert3", copy, ours)
+            compared.check(4.0)
+            got = ""
+        except RejectedTensor as e:
+            got = str(e)
+        assert got == want, label
+        if want:
+            continue
+        assert compared.relative_change == pytest.approx(relative_change(copy, ours), rel=1e-5), label
+        doubt = norm_doubt(compared.received_norm, compared.norm, compared.dot)
+        assert doubt == copy_doubt(copy, ours), label
+        assert bool(doubt) == (label != "moved"), label
+
+
 def test_an_outlying_change_is_one_far_above_the_fetchs_median_and_above_the_copys_own_norm():
     from swarm.sync import outlying_changes
 

@@ -34,9 +34,9 @@ from swarm.net.expert_server import copy_hash
 from swarm.net.group_layout import expert_item, served_items
 from swarm.net.served_steps import Fresh, fits_any, served_steps
 from swarm.net.transport import GroupTransport, Served
-from swarm.sync import RejectedTensor, check_tensors, outlying_changes, relative_change
+from swarm.sync import CopyComparison, RejectedTensor, outlying_changes
 from swarm.sync.codecs import Codec
-from swarm.sync.copy_prints import copy_doubt, copy_print, norm_factor, rms
+from swarm.sync.copy_prints import copy_doubt, copy_print, norm_doubt, norm_factor, rms
 
 RETRY_S = 0.5
 # asking again for a copy that is not fresh yet: soon at first, then less often up to RETRY_S. On GPU peers
@@ -101,12 +101,13 @@ class ExpertDownloads:
         between copies of norms 1 and f is up to f + 1)."""
         return max(self.max_rel_distance, self._norm_factor(e, new_step) + 1.0)
 
-    def _doubt(self, e: int, tensors: list[torch.Tensor], mine: list[torch.Tensor], new_step: int) -> str:
+    def _doubt(self, e: int, tensors: list[torch.Tensor], compared: CopyComparison, new_step: int) -> str:
         if e in self._print_refs:
             ref, ref_step = self._print_refs[e]
             apart = None if ref_step is None else new_step - ref_step
             return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart, self.lr, rms([ref])))
-        return copy_doubt(tensors, mine, factor=self._norm_factor(e, new_step))
+        c = compared
+        return norm_doubt(c.received_norm, c.norm, c.dot, factor=self._norm_factor(e, new_step))
 
     def fetch(
         self,
@@ -154,9 +155,9 @@ class ExpertDownloads:
                 answers = [(peer, a.result()) for (peer, _), a in zip(by_peer, asked, strict=True)]
             # an expert judged by prints has no copy of ours to have changed from
             new = {
-                e: relative_change(ts, mine[e])
+                e: a.compared[e].relative_change
                 for _, a in answers
-                for e, ts in a.copies.items()
+                for e in a.copies
                 if e not in self._print_refs
             }
             outliers, median = outlying_changes(changes | new)
@@ -165,7 +166,7 @@ class ExpertDownloads:
                 answered = bool(answer.copies or answer.rejected)
                 self._misses[peer] = 0 if answered else self._misses.get(peer, 0) + 1
                 for e in sorted(answer.copies):
-                    why = self._doubt(e, answer.copies[e], mine[e], answer.steps.get(e, step))
+                    why = self._doubt(e, answer.copies[e], answer.compared[e], answer.steps.get(e, step))
                     if e in outliers:
                         why = f"changed {new[e]:.3g} of its norm, the fetch's median copy {median:.3g}"
                     if why:
@@ -334,6 +335,7 @@ class _HolderAnswer:
     """What one holder gave: checked copies, and why the rest did not come."""
 
     copies: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    compared: dict[int, CopyComparison] = field(default_factory=dict)  # each copy against ours
     steps: dict[int, int] = field(default_factory=dict)  # the step each copy is from, as its holder says
     rejected: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -341,11 +343,12 @@ class _HolderAnswer:
     def accept(
         self, copies: Mapping[int, list[torch.Tensor]], mine, max_distance: Callable[[int, int | None], float]
     ) -> None:
-        """Keep the copies that pass ``check_tensors`` within ``max_distance(expert, its step)``."""
+        """Keep the copies that pass ``check_tensors``' checks within ``max_distance(expert, its step)``."""
         for e, tensors in copies.items():
             try:
-                check_tensors(f"expert{e}", tensors, mine[e], max_distance(e, self.steps.get(e)))
+                compared = CopyComparison.of(f"expert{e}", tensors, mine[e])
+                compared.check(max_distance(e, self.steps.get(e)))
             except RejectedTensor as err:
                 self.rejected.append(str(err))
                 continue
-            self.copies[e] = tensors
+            self.copies[e], self.compared[e] = tensors, compared

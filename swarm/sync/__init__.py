@@ -5,6 +5,7 @@ from swarm.sync.apply_average import OuterStep
 from swarm.sync.claims import choose_experts, orphan_claim_rank, orphan_swap, settle_joiners
 from swarm.sync.merge import merge_alpha_at, merge_experts, should_merge
 from swarm.sync.tensor_checks import (
+    CopyComparison,
     RejectedTensor,
     check_tensor,
     check_tensors,
@@ -14,6 +15,7 @@ from swarm.sync.tensor_checks import (
 )
 
 __all__ = [
+    "CopyComparison",
     "OuterStep",
     "RejectedTensor",
     "check_tensor",

@@ -51,7 +51,7 @@ def norm_factor(steps_apart: int | None, lr: float | None, rms: float) -> float:
 
 def rms(tensors: Sequence[torch.Tensor]) -> float:
     """The root-mean-square value over a group of tensors (a copy, or its print)."""
-    total = sum(float(t.detach().float().pow(2).sum()) for t in tensors)
+    total = sum(float(torch.linalg.vector_norm(t.detach().float())) ** 2 for t in tensors)
     return (total / max(1, sum(t.numel() for t in tensors))) ** 0.5
 
 
@@ -108,6 +108,14 @@ def copy_doubt(
     )
     n_new = sum(float(a.float().pow(2).sum()) for a in new) ** 0.5
     n_ref = sum(float(b.detach().float().pow(2).sum()) for b in ref) ** 0.5
+    return norm_doubt(n_new, n_ref, dot, factor, min_cos)
+
+
+def norm_doubt(
+    n_new: float, n_ref: float, dot: float, factor: float = NORM_FACTOR, min_cos: float = MIN_COSINE
+) -> str:
+    """``copy_doubt``'s rule on sums already taken (``tensor_checks.CopyComparison``): the norms of the new
+    copy and of the reference, and their dot product."""
     if n_ref == 0.0:
         return ""  # nothing to compare with
     ratio = n_new / n_ref

@@ -6,7 +6,9 @@ verifies shape, dtype, finiteness and distance from its own copy, and clamps the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -42,6 +44,71 @@ def check_tensors(
         raise RejectedTensor(f"{name}: {len(received)} tensors, expected {len(local)}")
     for i, (got, mine) in enumerate(zip(received, local, strict=True)):
         check_tensor(f"{name}[{i}]", got, mine, max_rel_distance)
+
+
+@dataclass(frozen=True)
+class CopyComparison:
+    """A received copy (a group of tensors) against ours, with each sum the checks of a downloaded copy read
+    taken once: ``check`` (``check_tensors``' bound), ``relative_change`` and, for ``copy_doubt``'s rule
+    (``norm_doubt``), ``received_norm``, ``norm`` and ``dot``. A round downloads a dozen experts on a
+    thread of the process that trains: taken apart, the three checks passed over each copy about 19 times,
+    against 6 here (``benchmarks/round_cpu.py``).
+
+        cmp = CopyComparison.of("expert3", received, ours)  # RejectedTensor: count, shape, dtype, NaN/inf
+        cmp.check(max_rel_distance=4.0)                     # RejectedTensor: a tensor too far from ours
+    """
+
+    name: str
+    distances: tuple[float, ...]  # ||received - ours||, per tensor
+    norms: tuple[float, ...]  # ||ours||, per tensor
+    received_sq: float  # the sum of ||received||^2
+    dot: float  # the sum of <received, ours>
+
+    @classmethod
+    def of(cls, name: str, received: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> CopyComparison:
+        if len(received) != len(local):
+            raise RejectedTensor(f"{name}: {len(received)} tensors, expected {len(local)}")
+        distances, norms, received_sq, dot = [], [], 0.0, 0.0
+        for i, (got, mine) in enumerate(zip(received, local, strict=True)):
+            label = f"{name}[{i}]"
+            if tuple(got.shape) != tuple(mine.shape):
+                raise RejectedTensor(f"{label}: shape {tuple(got.shape)}, expected {tuple(mine.shape)}")
+            if not got.is_floating_point():
+                raise RejectedTensor(f"{label}: dtype {got.dtype} is not floating point")
+            r = got.detach().reshape(-1).float()
+            o = mine.detach().reshape(-1).to(r.device, torch.float32)  # ours may live on a GPU, in bf16
+            sq = float(torch.dot(r, r))  # finite unless a value is not (or the sum overflows: look again)
+            if not math.isfinite(sq) and not bool(torch.isfinite(r).all()):
+                raise RejectedTensor(f"{label}: contains NaN or inf")
+            diff = r - o
+            distances.append(math.sqrt(float(torch.dot(diff, diff))))
+            norms.append(math.sqrt(float(torch.dot(o, o))))
+            received_sq, dot = received_sq + sq, dot + float(torch.dot(r, o))
+        return cls(name, tuple(distances), tuple(norms), received_sq, dot)
+
+    def check(self, max_rel_distance: float) -> None:
+        """Raise RejectedTensor unless every tensor is within ``max_rel_distance`` of ours, as
+        ``check_tensor`` bounds it: ||received - local|| <= max_rel_distance * (||local|| + 1e-6)."""
+        for i, (dist, norm) in enumerate(zip(self.distances, self.norms, strict=True)):
+            scale = norm + 1e-6
+            if not dist <= max_rel_distance * scale:
+                raise RejectedTensor(
+                    f"{self.name}[{i}]: relative distance {dist / scale:.3g} exceeds {max_rel_distance}"
+                )
+
+    @property
+    def relative_change(self) -> float:
+        """``relative_change(received, ours)``."""
+        diff = sum(d * d for d in self.distances)
+        return (diff / max(sum(n * n for n in self.norms), 1e-12)) ** 0.5
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(sum(n * n for n in self.norms))
+
+    @property
+    def received_norm(self) -> float:
+        return math.sqrt(self.received_sq)
 
 
 def clamp_weight(weight: float, max_weight: float) -> float:
