@@ -106,8 +106,8 @@ class ExpertDownloads:
             ref, ref_step = self._print_refs[e]
             apart = None if ref_step is None else new_step - ref_step
             return copy_doubt([copy_print(tensors)], [ref], factor=norm_factor(apart, self.lr, rms([ref])))
-        c = compared
-        return norm_doubt(c.received_norm, c.norm, c.dot, factor=self._norm_factor(e, new_step))
+        factor = self._norm_factor(e, new_step)
+        return norm_doubt(compared.received_norm, compared.norm, compared.dot, factor=factor)
 
     def fetch(
         self,

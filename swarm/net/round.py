@@ -194,16 +194,16 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             continue
         started.append((spec, group, (handle, payload)))
     all_started.set()
-    # the rest of the start-up is CPU work that our groups' members do not wait for: done once the groups look for members,
-    # not before (with a lossy codec it is a codec pass over our experts and our payload, and int8 GPU
-    # peers' matchmaking phase took 0.47 s, median, against fp32's 0.09 s)
+    # the rest of the start-up is CPU work that our groups' members do not wait for, so it is done once the
+    # groups look for members, not before (with a lossy codec it is a codec pass over our experts and our
+    # payload, and int8 GPU peers' matchmaking phase took 0.47 s, median, against fp32's 0.09 s)
     if plan.refresh:
         ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
         if lagged:  # what our last round agreed
             ctx.server.publish_staged()
     for *_, started_as in started:
         if started_as is not None:
-            started_as[1].residuals  # noqa: B018 (computed now, during the all-reduce: error feedback)
+            started_as[1].residuals  # noqa: B018 (error feedback's residual, cached: taken during the all-reduce)
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this
