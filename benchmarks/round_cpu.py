@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="of the training thread (default: cuda if any)")
     ap.add_argument("--local", type=int, default=4, help="experts the peer holds (default 4)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls of each part (default 5)")
+    ap.add_argument("--rate-s", type=float, default=2.0, help="training alone timed this long (default 2)")
     ap.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval (default: Python's)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     return ap.parse_args(argv)
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
         idle = {part: timed(work, part, args.repeats) for part in PARTS}
         training = Training(model, cfg.data.micro_batch, cfg.data.seq_len, device)
         with training:
-            alone = training.rate(2.0)
+            alone = training.rate(args.rate_s)
             t, start = time.perf_counter(), training.steps
             loaded = {part: timed(work, part, args.repeats) for part in PARTS}
             during = (training.steps - start) / (time.perf_counter() - t)

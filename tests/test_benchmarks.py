@@ -31,7 +31,7 @@ RUNS = {
     "round_cpu": [
         "round_cpu.py",
         *(
-            "--device cpu --repeats 1 --json --set model.vocab_size=512 --set "
+            "--device cpu --repeats 1 --rate-s 0.5 --json --set model.vocab_size=512 --set "
             "model.d_model=64 --set model.n_layers=2 --set model.expert_hidden=64 --set "
             "data.micro_batch=1 --set data.seq_len=16"
         ).split(),
