@@ -184,6 +184,32 @@ def test_compiled_matches_eager_on_cuda():
     _compiled_vs_eager("cuda", SHAPE)
 
 
+def test_work_handed_to_another_thread_runs_on_the_streams_of_the_thread_that_handed_it():
+    """``on_this_stream``: a round's download threads read our GPU copies on the round's side stream, not on
+    the default stream behind the training step's kernels. Without CUDA in use it changes nothing."""
+    import threading
+
+    from swarm.net.expert_tensors import on_this_stream, side_stream
+
+    def stream_id():
+        return torch.cuda.current_stream().stream_id if torch.cuda.is_initialized() else None
+
+    if not torch.cuda.is_available():
+        assert on_this_stream(stream_id) is stream_id
+        return
+    torch.cuda.init()
+    seen = {}
+    with side_stream(torch.device("cuda")):
+        side = stream_id()
+        handed, plain = on_this_stream(stream_id), stream_id
+    for name, fn in (("handed", handed), ("plain", plain)):
+        thread = threading.Thread(target=lambda n=name, f=fn: seen.__setitem__(n, f()))
+        thread.start()
+        thread.join(timeout=30)
+    default = torch.cuda.default_stream().stream_id
+    assert side != default and seen == {"handed": side, "plain": default}
+
+
 # -- a swarm on the GPU ----------------------------------------------------------------------------------
 @cuda
 @pytest.mark.timeout(400)

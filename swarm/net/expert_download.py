@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.net.expert_server import copy_hash
+from swarm.net.expert_tensors import on_this_stream
 from swarm.net.group_layout import expert_item, served_items
 from swarm.net.served_steps import Fresh, fits_any, served_steps
 from swarm.net.transport import GroupTransport, Served
@@ -147,9 +148,10 @@ class ExpertDownloads:
                     by_peer.setdefault(hs[attempt], []).append(e)
             if not by_peer:
                 break
+            ask = on_this_stream(self._from_holder)  # our copies may be on a GPU: read on our stream
             with ThreadPoolExecutor(len(by_peer), thread_name_prefix="swarm-download") as pool:
                 asked = [
-                    pool.submit(self._from_holder, peer, peer_step, wanted, mine, step, final, deadline)
+                    pool.submit(ask, peer, peer_step, wanted, mine, step, final, deadline)
                     for (peer, peer_step), wanted in by_peer.items()
                 ]
                 answers = [(peer, a.result()) for (peer, _), a in zip(by_peer, asked, strict=True)]

@@ -7,10 +7,15 @@ the local split and the frozen dtype, so peers with different local experts exch
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from swarm.model import MoETransformer
+
+R = TypeVar("R")
 
 
 def dense_names(model: MoETransformer) -> list[str]:
@@ -62,6 +67,23 @@ def side_stream(device: torch.device):
     if device.type != "cuda":
         return contextlib.nullcontext()
     return torch.cuda.stream(torch.cuda.Stream(device))
+
+
+def on_this_stream(fn: Callable[..., R]) -> Callable[..., R]:
+    """``fn``, to run on another thread on this thread's current CUDA stream (as it is now). Streams are
+    per thread: another thread starts on the default stream, where each copy of a GPU tensor to the host
+    waits for every kernel the training thread has queued, once per tensor (a round's downloads read a
+    dozen experts' copies in place, several times each). Without CUDA in use, ``fn`` itself."""
+    if not torch.cuda.is_initialized():
+        return fn
+    stream = torch.cuda.current_stream()
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs) -> R:
+        with torch.cuda.stream(stream):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def nbytes(tensors) -> int:

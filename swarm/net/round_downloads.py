@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from swarm.net.expert_download import ExpertDownloads
+from swarm.net.expert_tensors import on_this_stream
 
 JOIN_MARGIN_S = 5.0  # past the deadline: a fetch that overran is given up (every wait inside has a bound)
 
@@ -55,9 +56,10 @@ class RoundDownloads:
         messages on a narrow link. ``lagged``: any copy newer than ours will do, until it is set (our
         groups are done): ``sync.lagged_refresh``, holders serve their last round's copies from its start."""
         self = cls(downloads, deadline)
+        # on the round's stream: the copies of ours it reads are on the GPU of a GPU peer (``on_this_stream``)
         self._thread = threading.Thread(
-            target=self._run, args=(holders, mine, step, held, after, lagged), name="swarm-round-downloads",
-            daemon=True,
+            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged),
+            name="swarm-round-downloads", daemon=True,
         )  # fmt: skip
         self._thread.start()
         return self
