@@ -15,7 +15,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
-from swarm.net.hivemind_group import HivemindGroup, await_step
+from swarm.net.hivemind_group import HivemindGroup, await_step, close_groups
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import (
@@ -41,17 +41,18 @@ TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.
 
 
 def _member(i, maddrs, out, ready):
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our DHT and p2pd
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below stops our groups, DHT and p2pd
     # forked from a worker whose OpenMP pool earlier tests used: a parallel torch op (filling the 1M-value
     # copy below) would wait forever for the pool's threads, which the fork did not copy
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(60, exit=False)  # a member still here after 60 s says where it is
-    dht = start_dht(maddrs)
+    dht, opened = start_dht(maddrs), []
     try:
         transport = HivemindTransport(dht, TIMING)
         tensors = [torch.full((1000,), float(i + 1)), torch.arange(12.0).view(3, 4) * (i + 1)]
         group = transport.open("t_dense", tensors)
         server = transport.open_server("t_experts")
+        opened += [group, server]
         server.serve(
             [torch.full((EXPERT_NUMEL,), float(i), dtype=torch.float16)],
             {"items": ["expert0"], "steps": [i], "final": [False]},
@@ -69,8 +70,8 @@ def _member(i, maddrs, out, ready):
             group.start(iter(tensors), {"i": i}, matchmaking_s=5)
         out.put((i, got.ok, got.reason, [t.tolist() for t in got.tensors], sorted(got.members), transport.me))
         time.sleep(6)  # keep serving downloads for a moment
-        transport.close_groups([group, server])
-    finally:
+    finally:  # also when the test stops us early (SIGTERM): averagers killed unclosed leave p2p sockets behind
+        close_groups(opened)
         dht.shutdown()
 
 
