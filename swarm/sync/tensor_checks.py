@@ -23,27 +23,42 @@ class RejectedTensor(ValueError):
 def check_tensor(name: str, received: torch.Tensor, local: torch.Tensor, max_rel_distance: float) -> None:
     """Raise RejectedTensor unless ``received`` has ``local``'s shape, is finite, and
     ||received - local|| <= max_rel_distance * (||local|| + 1e-6)."""
-    if tuple(received.shape) != tuple(local.shape):
-        raise RejectedTensor(f"{name}: shape {tuple(received.shape)}, expected {tuple(local.shape)}")
-    if not received.is_floating_point():
-        raise RejectedTensor(f"{name}: dtype {received.dtype} is not floating point")
-    if not torch.isfinite(received).all():
-        raise RejectedTensor(f"{name}: contains NaN or inf")
-    mine = local.detach().to(received.device, torch.float32)  # ours may live on a GPU, in bf16
-    dist = torch.linalg.vector_norm(received.float() - mine).item()
-    scale = torch.linalg.vector_norm(mine).item() + 1e-6
-    if dist > max_rel_distance * scale:
-        raise RejectedTensor(f"{name}: relative distance {dist / scale:.3g} exceeds {max_rel_distance}")
+    dist, norm, _, _ = _measure(name, received, local)
+    _bound(name, dist, norm, max_rel_distance)
 
 
 def check_tensors(
     name: str, received: list[torch.Tensor], local: list[torch.Tensor], max_rel_distance: float
 ) -> None:
     """``check_tensor`` on each of a group's tensors (``name[i]``), after checking that the counts match."""
-    if len(received) != len(local):
-        raise RejectedTensor(f"{name}: {len(received)} tensors, expected {len(local)}")
-    for i, (got, mine) in enumerate(zip(received, local, strict=True)):
-        check_tensor(f"{name}[{i}]", got, mine, max_rel_distance)
+    CopyComparison.of(name, received, local).check(max_rel_distance)
+
+
+def _measure(label: str, got: torch.Tensor, mine: torch.Tensor) -> tuple[float, float, float, float]:
+    """(||got - mine||, ||mine||, ||got||^2, <got, mine>), each in one pass over the values, after the
+    checks that need no distance: shape, dtype, finiteness."""
+    if tuple(got.shape) != tuple(mine.shape):
+        raise RejectedTensor(f"{label}: shape {tuple(got.shape)}, expected {tuple(mine.shape)}")
+    if not got.is_floating_point():
+        raise RejectedTensor(f"{label}: dtype {got.dtype} is not floating point")
+    r = got.detach().reshape(-1).float()
+    o = mine.detach().reshape(-1).to(r.device, torch.float32)  # ours may live on a GPU, in bf16
+    sq = float(torch.dot(r, r))  # finite unless a value is not (or the sum overflows: look again)
+    if not math.isfinite(sq) and not bool(torch.isfinite(r).all()):
+        raise RejectedTensor(f"{label}: contains NaN or inf")
+    diff = r - o
+    return (
+        math.sqrt(float(torch.dot(diff, diff))),
+        math.sqrt(float(torch.dot(o, o))),
+        sq,
+        float(torch.dot(r, o)),
+    )
+
+
+def _bound(label: str, dist: float, norm: float, max_rel_distance: float) -> None:
+    scale = norm + 1e-6
+    if not dist <= max_rel_distance * scale:
+        raise RejectedTensor(f"{label}: relative distance {dist / scale:.3g} exceeds {max_rel_distance}")
 
 
 @dataclass(frozen=True)
@@ -68,33 +83,21 @@ class CopyComparison:
     def of(cls, name: str, received: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> CopyComparison:
         if len(received) != len(local):
             raise RejectedTensor(f"{name}: {len(received)} tensors, expected {len(local)}")
-        distances, norms, received_sq, dot = [], [], 0.0, 0.0
-        for i, (got, mine) in enumerate(zip(received, local, strict=True)):
-            label = f"{name}[{i}]"
-            if tuple(got.shape) != tuple(mine.shape):
-                raise RejectedTensor(f"{label}: shape {tuple(got.shape)}, expected {tuple(mine.shape)}")
-            if not got.is_floating_point():
-                raise RejectedTensor(f"{label}: dtype {got.dtype} is not floating point")
-            r = got.detach().reshape(-1).float()
-            o = mine.detach().reshape(-1).to(r.device, torch.float32)  # ours may live on a GPU, in bf16
-            sq = float(torch.dot(r, r))  # finite unless a value is not (or the sum overflows: look again)
-            if not math.isfinite(sq) and not bool(torch.isfinite(r).all()):
-                raise RejectedTensor(f"{label}: contains NaN or inf")
-            diff = r - o
-            distances.append(math.sqrt(float(torch.dot(diff, diff))))
-            norms.append(math.sqrt(float(torch.dot(o, o))))
-            received_sq, dot = received_sq + sq, dot + float(torch.dot(r, o))
-        return cls(name, tuple(distances), tuple(norms), received_sq, dot)
+        pairs = enumerate(zip(received, local, strict=True))
+        measured = [_measure(f"{name}[{i}]", got, mine) for i, (got, mine) in pairs]
+        return cls(
+            name,
+            tuple(m[0] for m in measured),
+            tuple(m[1] for m in measured),
+            sum(m[2] for m in measured),
+            sum(m[3] for m in measured),
+        )
 
     def check(self, max_rel_distance: float) -> None:
         """Raise RejectedTensor unless every tensor is within ``max_rel_distance`` of ours, as
         ``check_tensor`` bounds it: ||received - local|| <= max_rel_distance * (||local|| + 1e-6)."""
         for i, (dist, norm) in enumerate(zip(self.distances, self.norms, strict=True)):
-            scale = norm + 1e-6
-            if not dist <= max_rel_distance * scale:
-                raise RejectedTensor(
-                    f"{self.name}[{i}]: relative distance {dist / scale:.3g} exceeds {max_rel_distance}"
-                )
+            _bound(f"{self.name}[{i}]", dist, norm, max_rel_distance)
 
     @property
     def relative_change(self) -> float:
