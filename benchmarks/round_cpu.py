@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.op_count import OpCounter  # noqa: E402
+from benchmarks.wan import SHAPES  # noqa: E402
 from swarm.config import RunConfig, load_config  # noqa: E402
 from swarm.model import MoETransformer  # noqa: E402
 from swarm.net.dht_node import start_dht, visible_maddrs  # noqa: E402
@@ -56,10 +57,6 @@ from swarm.net.round_consensus import digest  # noqa: E402
 from swarm.net.timing import Timing  # noqa: E402
 from swarm.sync.codecs import codec_named  # noqa: E402
 
-SHAPES = {  # as benchmarks/wan.py's
-    "demo": [],
-    "wide": ["model.d_model=256", "model.expert_hidden=512", "model.n_layers=4", "model.n_heads=4"],
-}
 PARTS = ("serve", "encode", "digest", "decode", "download")
 
 
