@@ -85,9 +85,16 @@ class RoundWork:
         self.experts = {expert_item(e): snapshot(expert_tensors(model, e)) for e in local}
         others = [e for e in range(cfg.model.n_experts) if e not in local]
         self.frozen = {e: snapshot(expert_tensors(model, e)) for e in others}  # our copies of them
-        self.dhts = [start_dht()]
-        self.dhts.append(start_dht(visible_maddrs(self.dhts[0])))
-        self.contexts = [_context(cfg, dht) for dht in self.dhts]
+        self.dhts, self.contexts = [start_dht()], []
+        try:  # nothing started is left running if the rest fails (or is interrupted)
+            self.dhts.append(start_dht(visible_maddrs(self.dhts[0])))
+            self.contexts = [_context(cfg, dht) for dht in self.dhts]
+            self._prepare()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _prepare(self) -> None:
         ours, holder = self.contexts
         self.server, self.downloads, self.holder = ours.server, ours.downloads, holder.me
         ours.server.update(self.experts, 0, final=False)  # the copies the next updates are changes against
