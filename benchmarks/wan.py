@@ -21,7 +21,10 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   round's downloads began and ended and how long the longest waited for a holder's fresh copy;
   ``round_fit``: a round's seconds as ``fixed_s`` + ``per_payload`` x its payload's seconds on the link
   (least squares over the rounds): what a round costs whatever it carries, and how close to the link's
-  rate it carries the rest;
+  rate it carries the rest; ``link_use``: how busy the peer's link was during its rounds
+  (``benchmarks/link_use.py``, medians): ``busy`` the share of the round that its busier direction's bytes
+  need at ``--mbit``, ``head_s`` the seconds before that direction first ran at half the link's rate or
+  more, ``tail_s`` those after it last did;
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -44,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.link_use import LinkSampler, link_use  # noqa: E402
 from benchmarks.netns_links import ShapedLan, prepare_benchmark  # noqa: E402
 from peers.demo import wait_for_maddr  # noqa: E402
 from peers.demo_summary import read_jsonl  # noqa: E402
@@ -131,7 +135,10 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     effective = run / "config.yaml"
     save_config(cfg, effective)
     py, procs = sys.executable, Processes()
-    with ShapedLan(args.peers + 1, args.mbit) as lan:
+    with (
+        ShapedLan(args.peers + 1, args.mbit) as lan,
+        LinkSampler(lan.counters, range(1, args.peers + 1)) as links,
+    ):
         try:
             boot = procs.start(lan.command(0, [py, "-m", "bootstrap.main", "--host", lan.address(0),
                                                "--config", str(effective)]), run / "bootstrap.log")  # fmt: skip
@@ -152,7 +159,7 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
             codes = [p.poll() for p in peers]
         finally:
             procs.stop()
-    return measure(args, cfg, run, codes, before, after, wall)
+    return measure(args, cfg, run, codes, before, after, wall, links)
 
 
 def round_fit(points: list[tuple[float, float]]) -> dict | None:
@@ -167,8 +174,9 @@ def round_fit(points: list[tuple[float, float]]) -> dict | None:
     return {"fixed_s": round(intercept, 3), "per_payload": round(slope, 3)}
 
 
-def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) -> dict:
+def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, links: LinkSampler) -> dict:
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
+    uses = []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
     fetches: dict[str, list[float]] = {}
@@ -183,7 +191,12 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
             per_round.append((totals[-1] - totals[0]) / (len(totals) - 1))
         in_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
         seconds += [(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes]
+        samples = links.samples(i + 1)
         for r in ordinary:
+            if r.started_at is not None:
+                uses.append(
+                    link_use(samples, r.started_at, r.started_at + r.sync_seconds, args.mbit * 1e6 / 8)
+                )
             for phase, s in r.phase_seconds.items():
                 phases.setdefault(phase, []).append(s)
             for part, s in r.check_seconds.items():
@@ -212,6 +225,12 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float) 
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
         "downloads_s": {k: round(statistics.median(v), 2) for k, v in fetches.items()},
         "round_fit": round_fit(points),
+        "link_use": {
+            k: round(statistics.median(getattr(u, k) for u in uses if u), 2)
+            for k in ("busy", "head_s", "tail_s")
+        }
+        if any(uses)
+        else None,
         "skipped_share": round(skipped / max(1, skipped + started), 3),
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,
@@ -265,6 +284,9 @@ def print_table(rows: list[dict], args) -> None:
             phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
         if r["downloads_s"]:
             phases += " (downloads: " + " ".join(f"{k} {s:g}" for k, s in r["downloads_s"].items()) + ")"
+        if r["link_use"]:
+            use = r["link_use"]
+            phases += f" (link: busy {use['busy']:g}, head {use['head_s']:g} s, tail {use['tail_s']:g} s)"
         if r["round_fit"]:
             fit = r["round_fit"]
             phases += f"; round = {fit['fixed_s']:g} s + {fit['per_payload']:g} x payload"

@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,33 @@ def test_wan_round_fit_separates_a_rounds_fixed_seconds_from_its_payloads():
     assert round_fit(points[:2]) is None  # too few rounds to tell
     assert round_fit([(1.0, 2.0), (1.0, 2.5), (1.0, 3.0)]) is None  # payloads all alike: no slope
     assert round_fit([(4.56, 5.4), (4.57, 5.9), (4.6, 5.6)]) is None  # nearly alike (fp32 rounds)
+
+
+def test_link_use_finds_a_rounds_idle_head_and_tail_on_its_busier_direction():
+    from benchmarks.link_use import LinkSampler, link_use
+
+    rate = 1000.0  # bytes per second each way; samples every 0.1 s from t = 10
+    # received: idle for 0.3 s, then at the full rate for 1.0 s, then 10% of it for 0.2 s; sent: a trickle
+    recv, samples = 0, []
+    for k in range(16):
+        t = 10.0 + 0.1 * k
+        samples.append((round(t, 3), 5 * k, recv))
+        recv += 0 if k < 3 else 100 if k < 13 else 10
+    use = link_use(samples, 10.0, 11.5, rate)
+    assert use.head_s == pytest.approx(0.3) and use.tail_s == pytest.approx(0.2)
+    assert use.busy == pytest.approx(1020 / rate / 1.5)  # the bytes received need 1.02 s of the round's 1.5
+    assert link_use(samples, 10.0, 10.05, rate) is None  # one sample: nothing to tell
+    idle = [(10.0 + 0.1 * k, 0, 0) for k in range(5)]
+    nothing = link_use(idle, 10.0, 10.4, rate)
+    assert (nothing.busy, nothing.tail_s) == (0.0, 0.0) and nothing.head_s == pytest.approx(0.4)
+
+    counts = iter(range(10**6))
+    with LinkSampler(lambda host: (host, next(counts)), hosts=[1, 2], period_s=0.01) as sampler:
+        time.sleep(0.1)
+    rows = sampler.samples(2)
+    assert len(rows) >= 3 and all(sent == 2 for _, sent, _ in rows)
+    assert [t for t, *_ in rows] == sorted(t for t, *_ in rows)
+    assert all(b[2] > a[2] for a, b in zip(rows, rows[1:], strict=False))  # read afresh every time
 
 
 def test_a_coded_average_is_the_plain_mean_within_the_codecs_error():

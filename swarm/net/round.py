@@ -134,6 +134,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     wait = 0.0 if plan.scheduled is None else max(0.0, plan.scheduled - time.time())
     deadline = time.monotonic() + wait + timing.round_s
     rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last, dense_group=1)  # until it runs
+    rec.started_at = round(time.time() - (time.monotonic() - t0), 3)
     result = RoundResult(rec)
     local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)

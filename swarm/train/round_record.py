@@ -34,6 +34,7 @@ class RoundRecord:
     wire_bytes: int | None = None  # measured at our p2pd, both directions, overhead included
     host_bytes: int = 0  # host memory the round held until applied
     sync_seconds: float = 0.0
+    started_at: float | None = None  # wall clock (time.time()) at the round's start
     # where the round's time went: "matchmaking" (until the first group formed: waiting for its members),
     # "allreduce" (until every group's outcome is in; "groups" for both when no group formed), "checks"
     # (publishing our digests, awaiting the others', tensor checks), "downloads" (the wait for the non-local
