@@ -18,6 +18,7 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     peers = ["a", "b", "c", "d"]
     experts = {p: [e for e in range(N_EXPERTS) if (e - i) % (4 // r) == 0] for i, p in enumerate(peers)}
     swarm = Swarm(experts, sync=SyncConfig(aggregation="mean"))
+    began = time.time()
     weights = {
         p: {DENSE: 1.0 + i, **{expert_item(e): 0.5 + e + i for e in experts[p]}} for i, p in enumerate(peers)
     }
@@ -26,6 +27,7 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     for p in peers:
         rec = results[p].record
         assert rec.rejected == [] and rec.dense_group == 4, rec
+        assert began <= rec.started_at <= rec.started_at + rec.sync_seconds <= time.time() + 0.01
         phases = rec.phase_seconds  # where the time went, adding up to the round's
         assert list(phases) == ["matchmaking", "allreduce", "checks", "downloads", "merge"], phases
         assert abs(sum(phases.values()) - rec.sync_seconds) < 0.01 and min(phases.values()) >= 0
