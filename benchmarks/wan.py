@@ -28,6 +28,9 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
+Stopped by SIGINT or SIGTERM while its peers train, a run is still measured from the rounds they took so
+far (its row says ``"interrupted": true``, and has no ``val_loss``); the codecs and shapes after it are not run.
+
 Shapes: ``demo`` (configs/demo.yaml) and ``wide`` (dense and experts scaled so that the model holds over
 100 MB of fp32). ``--set`` passes overrides to every peer (e.g. ``data.path=...`` for another corpus).
 """
@@ -152,14 +155,19 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
                        "--no-progress", "--set", f"train.threads={max(1, (os.cpu_count() or 1) // args.peers)}"]  # fmt: skip
                 peers.append(procs.start(lan.command(i + 1, cmd), run / f"peer{i}.log"))
             bound = t0 + STOP_S + steps * 5.0  # far above any shape's step time here: only a hang reaches it
-            while any(p.poll() is None for p in peers) and time.monotonic() < bound:
-                time.sleep(1)
+            interrupted = False
+            try:
+                while any(p.poll() is None for p in peers) and time.monotonic() < bound:
+                    time.sleep(1)
+            except KeyboardInterrupt:  # stopped early: the rounds the peers took so far are still measured
+                interrupted = True
             wall = time.monotonic() - t0
             after = [lan.counters(i + 1) for i in range(args.peers)]
             codes = [p.poll() for p in peers]
         finally:
             procs.stop()
-    return measure(args, cfg, run, codes, before, after, wall, links)
+    row = measure(args, cfg, run, codes, before, after, wall, links)
+    return row | {"interrupted": True} if interrupted else row
 
 
 def round_fit(points: list[tuple[float, float]]) -> dict | None:
@@ -262,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row), flush=True)
+                if row.get("interrupted"):
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
+        if rows and not args.json:
+            print_table(rows, args)
         print("interrupted: every namespace and process made was removed", file=sys.stderr)
         return 130
     if not args.json:
