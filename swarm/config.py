@@ -195,6 +195,10 @@ class SyncConfig:
     # (faster peers take more steps, which the token weights count), instead of every sync_every steps:
     # peers whose step counts drift apart still meet within one step's time, and form whole groups
     sync_every_s: float = 0.0
+    # > 0 (rounds on the wall clock only): an ordinary round's groups meet this many seconds before its slot,
+    # while the links are idle between rounds, and their all-reduce begins at the slot. The weights count the
+    # tokens up to that meeting. 0: groups look for their members at the slot
+    prematch_s: float = 0.0
     # the outer learning rate: 1 with no momentum is plain averaging; above 1 the swarm's progress over a round
     # is extrapolated (averaging N peers' Adam steps moves noisy coordinates less than Adam on N batches)
     sync_alpha: float = 1.0
@@ -238,6 +242,11 @@ class SyncConfig:
         check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
         check(
             self.sync_every_s == 0 or self.sync_every_s >= 1, "sync.sync_every_s", "must be 0 (off) or >= 1"
+        )
+        check(
+            self.prematch_s == 0 or 0 < self.prematch_s < self.sync_every_s / 2,
+            "sync.prematch_s",
+            "must be 0 (off) or, with sync.sync_every_s, below half of it",
         )
         check(0 < self.sync_alpha <= 3, "sync.sync_alpha", "must be in (0, 3]")
         check(0 <= self.outer_momentum < 1, "sync.outer_momentum", "must be in [0, 1)")

@@ -69,6 +69,8 @@ def test_overrides_are_typed(repo_root):
         ({"data": {"seq_len": 4096}}, "data.seq_len"),
         ({"sync": {"sync_alpha": 0}}, "sync.sync_alpha"),
         ({"sync": {"sync_every_s": 0.5}}, "sync.sync_every_s"),
+        ({"sync": {"prematch_s": 2.0}}, "sync.prematch_s"),  # rounds by steps: no slot to meet before
+        ({"sync": {"sync_every_s": 10, "prematch_s": 5.0}}, "sync.prematch_s"),
         ({"sync": {"codec": "int3"}}, "sync.codec"),
         ({"sync": {"refresh_every": 0}}, "sync.refresh_every"),
         ({"mdoel": {}}, "mdoel"),

@@ -280,3 +280,42 @@ def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
     got, _, failures = swarm.ctx["a"].downloads.fetch({2: [("b", 10)], 3: [("b", 10)]}, mine, 10, False,
                                                       time.monotonic() + 0.8)  # fmt: skip
     assert got == {} and failures
+
+
+def test_groups_met_before_the_slot_average_to_the_exact_weighted_mean_once_triggered():
+    """``sync.prematch_s``: members meet while training goes on, and each writes its payload at the slot.
+    A member that met early but starts no round is left out: the others average without it."""
+    import dataclasses
+
+    from swarm.net.prematch import Prematch
+
+    peers = ["a", "b", "c", "d"]
+    experts = {p: [e for e in range(N_EXPERTS) if (e - i) % 2 == 0] for i, p in enumerate(peers)}
+    swarm = Swarm(experts, sync=SyncConfig(aggregation="mean", codec="int8"))
+    weights = {
+        p: {DENSE: 1.0 + i, **{expert_item(e): 0.5 + e + i for e in experts[p]}} for i, p in enumerate(peers)
+    }
+    plans = {p: swarm.plan(p, weights=weights[p]) for p in peers}
+    slot = time.time() + 0.5
+    early = {
+        p: Prematch.begin(swarm.ctx[p], swarm.view, 1, 1, 9, plans[p].weights, plans[p].groups, False, slot)
+        for p in peers
+    }
+    assert all(set(early[p].handles) == {spec.name for spec, _ in plans[p].groups} for p in peers)
+    early["d"].cancel()  # d's round does not start at this slot
+    time.sleep(max(0.0, slot - time.time()))
+    plans = {p: dataclasses.replace(plans[p], prematched=early[p].handles) for p in "abc"}
+    results = swarm.round(plans)
+    for p in "abc":
+        rec = results[p].record
+        # b's expert group had b and d: d never gave its payload, so b's experts were not averaged
+        alone = ["experts 1,3: no group formed"] if p == "b" else []
+        assert rec.rejected == alone and rec.dense_group == 3, rec
+        assert sorted(rec.met_early) == sorted(["dense", "experts 1,3" if p == "b" else "experts 0,2"]), rec
+        assert rec.phase_seconds["matchmaking"] < 0.05, rec.phase_seconds  # met before the round began
+    want = weighted_mean(
+        [(weights[p][DENSE], swarm.dense[p]) for p in "abc"]
+    )  # with the weights they met with
+    for p in "abc":
+        for got, w in zip(results[p].dense[1], want, strict=True):
+            assert torch.allclose(got, w, atol=1e-6), p

@@ -153,6 +153,31 @@ def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_r
                 assert torch.allclose(got, w, atol=2e-3 * max(1.0, w.abs().max().item())), (e, me)
 
 
+def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_after_the_last_round():
+    """``sync.prematch_s``: each ordinary round's groups meet before its slot (their matchmaking is over when
+    the round begins), an int8 round's payload is still the change since the agreed result, and the last
+    round (met at its own scheduled time) leaves every replica alike."""
+    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, prematch_s=0.4)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
+    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+    peers = {me: _peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
+    out = _run(peers, steps=36)
+    for me in experts:
+        ordinary = [rec for rec in out[me] if rec.started and not rec.last]
+        early = [rec for rec in ordinary if "dense" in rec.met_early]
+        # the first slot is only seen (no round); later ones are met early unless a round is still in flight
+        why = [(r.step, r.met_early, r.rejected) for r in ordinary]
+        assert sum(rec.clean for rec in early) >= 2 and 2 * len(early) > len(ordinary), why
+        assert all(rec.phase_seconds["matchmaking"] < 0.1 for rec in early), [r.phase_seconds for r in early]
+        last = [rec for rec in out[me] if rec.started][-1]
+        assert last.last and last.met_early == [] and last.final_unsettled == [], last
+    held = [peers[me][1].ctx.payloads.reference_id(GroupSpec("t_dense", (DENSE,))) for me in experts]
+    assert sum(bool(ref) for ref in held) >= 2, held  # changes travelled
+    ref = dense_tensors(peers["a"][0])
+    for me in "bcd":
+        assert all(torch.equal(x, y) for x, y in zip(dense_tensors(peers[me][0]), ref, strict=True)), me
+
+
 def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apart():
     sync = dataclasses.replace(SYNC, sync_every_s=1.0)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)

@@ -129,11 +129,7 @@ class HivemindGroup:
         scheduled: float | None = None,
         expected: int | None = None,
     ) -> StepControl:
-        if self.swarm_key is not None:
-            info = info | {"member": self.swarm_key.member_token(self.me)}
-        gather = MSGPackSerializer.dumps(info)
-        if len(gather) > MAX_INFO_BYTES:
-            raise ValueError("round info too large")
+        gather = self._gather(info)
         self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
         self._fill(tensors)
         # commands reach the averager's process in order: the size is set before the step looks for a group
@@ -146,6 +142,40 @@ class HivemindGroup:
             wait=False,
             allow_retries=False,
         )
+
+    def prematch(
+        self, info: dict[str, Any], scheduled: float, matchmaking_s: float, expected: int | None = None
+    ) -> StepControl:
+        # hivemind's own early matchmaking: the group forms now and its all-reduce waits for the trigger;
+        # the buffers keep serving our last result until then
+        gather = self._gather(info)
+        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
+        return self.averager.step(
+            gather=gather,
+            weight=1.0,
+            timeout=max(0.0, scheduled - time.time()) + matchmaking_s,
+            scheduled_time=scheduled,
+            require_trigger=True,
+            wait=False,
+            allow_retries=False,
+        )
+
+    def trigger(self, handle: StepControl, tensors: Iterable[torch.Tensor]) -> StepControl:
+        self._set_served({}, None)
+        self._fill(tensors)
+        handle.allow_allreduce()
+        return handle
+
+    def cancel(self, handle: StepControl) -> None:
+        handle.cancel()
+
+    def _gather(self, info: dict[str, Any]) -> bytes:
+        if self.swarm_key is not None:
+            info = info | {"member": self.swarm_key.member_token(self.me)}
+        gather = MSGPackSerializer.dumps(info)
+        if len(gather) > MAX_INFO_BYTES:
+            raise ValueError("round info too large")
+        return gather
 
     def formed(self, handle: StepControl) -> bool:
         return handle.done() or has_members(handle)

@@ -98,7 +98,7 @@ class LocalNetwork:
 
     # -- groups ---------------------------------------------------------------------------------------------
     def join(
-        self, name: str, me: str, tensors: list[torch.Tensor], info: dict, scheduled: float | None,
+        self, name: str, me: str, tensors: list[torch.Tensor] | None, info: dict, scheduled: float | None,
         expected: int | None = None,
     ):  # fmt: skip
         with self.lock:
@@ -115,7 +115,8 @@ class LocalNetwork:
         with self.lock:
             if form.results is not None:
                 return
-            members = sorted(form.sent)
+            # a prematched member that never gave its tensors (``LocalGroup.trigger``) is left out
+            members = sorted(m for m, (tensors, _) in form.sent.items() if tensors is not None)
             if len(members) < 2:
                 form.results = {m: GroupOutcome(False, "no group formed") for m in members}
                 return
@@ -144,6 +145,10 @@ class LocalNetwork:
             return [torch.full_like(t, float("nan")) for t in tensors]
         scale = self.fault("scale", me, info)
         return [t * scale.factor for t in tensors] if scale else tensors
+
+
+def _all_triggered(form: _Formation) -> bool:
+    return all(tensors is not None for tensors, _ in form.sent.values())
 
 
 def _keep_share(result: list[torch.Tensor], own: list[torch.Tensor], share: int, n: int) -> None:
@@ -213,12 +218,34 @@ class LocalGroup:
         self, tensors: Iterable[torch.Tensor], info: dict[str, Any], matchmaking_s: float, scheduled=None,
         expected: int | None = None,
     ):  # fmt: skip
-        with self.net.lock:  # like hivemind's buffers: nothing served while a round runs, but the prints
-            before = self.net.served.pop((self.me, self.name), None)
-            if before is not None and "prints" in before.meta:
-                self.net.served[(self.me, self.name)] = Served(kept_prints(before.meta), [])
+        with self.net.lock:
+            self._stop_serving()
         copies = [t.detach().clone() for t in tensors]
         return self.net.join(self.name, self.me, copies, info, scheduled, expected)
+
+    def _stop_serving(self) -> None:
+        # like hivemind's buffers: nothing served while a round runs, but the prints (the caller locks)
+        before = self.net.served.pop((self.me, self.name), None)
+        if before is not None and "prints" in before.meta:
+            self.net.served[(self.me, self.name)] = Served(kept_prints(before.meta), [])
+
+    def prematch(
+        self, info: dict[str, Any], scheduled: float, matchmaking_s: float, expected: int | None = None
+    ) -> _Formation:
+        return self.net.join(self.name, self.me, None, info, scheduled, expected)
+
+    def trigger(self, handle: _Formation, tensors: Iterable[torch.Tensor]) -> _Formation:
+        copies = [t.detach().clone() for t in tensors]
+        with self.net.lock:
+            self._stop_serving()
+            if handle.results is None:
+                handle.sent[self.me] = (copies, handle.sent[self.me][1])
+        return handle
+
+    def cancel(self, handle: _Formation) -> None:
+        with self.net.lock:
+            if handle.results is None:
+                handle.sent.pop(self.me, None)
 
     def formed(self, handle: _Formation) -> bool:
         return time.time() >= handle.closes_at
@@ -227,11 +254,14 @@ class LocalGroup:
         deadline = time.monotonic() + timeout
         delay = self.net.fault("delay", self.me, handle.sent.get(self.me, (None, None))[1])
         extra = delay.seconds if delay else 0.0
-        # the formation may close early (``expected``): look again every POLL_S
-        while (left := handle.closes_at + extra - time.time()) > 0:
+        # the formation may close early (``expected``), and a prematched one once every member has given
+        # its tensors (or the round's time is up): look again every POLL_S
+        while (left := handle.closes_at + extra - time.time()) > 0 or not _all_triggered(handle):
             if time.monotonic() >= deadline:
+                if left <= 0:
+                    break  # the members that gave their tensors average without the others
                 return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
-            time.sleep(min(POLL_S, left, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(POLL_S, max(left, POLL_S), max(0.0, deadline - time.monotonic())))
         self.net.close(handle)
         formed_at = time.monotonic() - max(0.0, time.time() - handle.closes_at)
         return dataclasses.replace(handle.results[self.me], formed_at=formed_at)

@@ -32,6 +32,7 @@ from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
 from swarm.net.membership import MembershipView
+from swarm.net.prematch import Prematched
 from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.round_downloads import Gate, RoundDownloads
@@ -69,6 +70,8 @@ class RoundPlan:
     # the one the holder's next change is taken against
     refresh: bool = True
     copy_steps: Mapping[int, int] = field(default_factory=dict)  # the step of each non-local copy we hold
+    # group name -> its members met before the slot (``swarm.net.prematch``): triggered, not started
+    prematched: Mapping[str, Prematched] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,7 +171,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)
     for spec, group in plan.groups:
+        early = plan.prematched.get(spec.name)
         if plan.alone and spec.items == (DENSE,):
+            if early is not None:  # met early, but nobody is in view now
+                _cancel_quietly(group, early.handle)
             started.append((spec, group, None))
             continue
         # a robust rule weights members equally: a weight is only what a member says of itself
@@ -185,11 +191,19 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 ctx.sync.aggregation,
                 ctx.sync.digests,
             )
-            mm = wait + timing.ordinary_matchmaking_s
-            handle = group.start(
-                payload.tensors, info.to_msg(), mm, plan.scheduled, _expected(spec, view, ctx.me)
-            )
+            if early is not None and early.reference == payload.reference:
+                handle = group.trigger(early.handle, payload.tensors)
+                rec.met_early.append(_label(spec))
+            else:  # met early against another reference (another thread forgot ours): start as usual
+                if early is not None:
+                    group.cancel(early.handle)
+                mm = wait + timing.ordinary_matchmaking_s
+                handle = group.start(
+                    payload.tensors, info.to_msg(), mm, plan.scheduled, expected_members(spec, view, ctx.me)
+                )
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
+            if early is not None:
+                _cancel_quietly(group, early.handle)
             rec.rejected.append(f"{_label(spec)}: {type(e).__name__}: {e}"[:200])
             started.append((spec, None, None))
             continue
@@ -328,7 +342,7 @@ def _take_reference(
     return ""
 
 
-def _expected(spec: GroupSpec, view: MembershipView, me: str) -> int:
+def expected_members(spec: GroupSpec, view: MembershipView, me: str) -> int:
     """How many members the group should have, as our view sees it (ourselves included)."""
     if spec.items == (DENSE,):
         return 1 + len(view.partners(me))
@@ -343,7 +357,19 @@ def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: Members
     would move our weights as the plain mean lets it; the round is dropped instead (an attack run had the
     honest peers' loss at 9.45 against 5.0 when groups split into pairs). Expert groups of two holders
     (r = 2) have no third member to ask: they are kept, with the checks every result passes."""
-    return not weighted(ctx) and spec.items == (DENSE,) and size == 2 and _expected(spec, view, ctx.me) >= 3
+    return (
+        not weighted(ctx)
+        and spec.items == (DENSE,)
+        and size == 2
+        and expected_members(spec, view, ctx.me) >= 3
+    )
+
+
+def _cancel_quietly(group: Group, handle) -> None:
+    try:
+        group.cancel(handle)
+    except Exception:  # already triggered, or the group closed: nothing to leave
+        pass
 
 
 def _label(spec: GroupSpec) -> str:

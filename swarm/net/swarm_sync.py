@@ -26,6 +26,7 @@ from swarm.net.copy_server import CopyServer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, side_stream, snapshot
 from swarm.net.group_layout import DENSE, expert_item, layout
 from swarm.net.membership import Membership
+from swarm.net.prematch import Prematch
 from swarm.net.round import RoundContext, RoundPlan, RoundResult, run_round
 from swarm.net.timing import Timing
 from swarm.net.transport import GroupTransport, Store
@@ -74,6 +75,8 @@ class SwarmSync:
         self._results: queue.Queue[RoundResult] = queue.Queue()
         self._in_flight: threading.Thread | None = None
         self._in_flight_until = 0.0  # monotonic time after which a round still running is abandoned
+        self._early: Prematch | None = None  # the next slot's groups, met before it (``sync.prematch_s``)
+        self._counted: tuple[int, torch.Tensor] = (0, self._expert_tokens)  # tokens its weights counted
 
     def round_running(self) -> bool:
         running = self._in_flight is not None and self._in_flight.is_alive()
@@ -93,6 +96,7 @@ class SwarmSync:
         self._step_tokens = report.step_tokens or self._step_tokens
         records = self.apply_finished(model)
         point = self._sync_point(report.step)
+        early, self._early = (self._early, None) if point or report.last else (None, self._early)
         if self._late_until is not None and (point or report.last or time.time() >= self._late_until):
             self._late_until = None  # the slot's round went on without us
             records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
@@ -109,8 +113,34 @@ class SwarmSync:
                 if self._near_last_round(report):
                     records.append(RoundRecord(step=report.step, reason="too close to the last round"))
                 else:
-                    self.start_round(model, report.step)
+                    self.start_round(model, report.step, early=early)
+                    early = None
+        if early is not None:  # met early for a round that did not start at its slot
+            early.cancel()
+        if not point and not report.last:
+            self._meet_early(model, report)
         return SyncReply(records, self.members.claimed)
+
+    def _meet_early(self, model: MoETransformer, report: StepReport) -> None:
+        """With ``sync.prematch_s``, meet the next slot's groups that many seconds before it, unless a round
+        is in flight (its result may change our references) or the last round is near."""
+        if self.sc.prematch_s <= 0 or self.sc.sync_every_s <= 0 or self._slot is None or self._early:
+            return
+        slot = self._slot + 1
+        at = slot * self.sc.sync_every_s
+        if time.time() < at - self.sc.prematch_s or self.round_running() or self._near_last_round(report):
+            return
+        specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
+        local_tensors = {DENSE: dense_tensors(model)} | {
+            expert_item(e): expert_tensors(model, e) for e in model.local_experts
+        }
+        groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
+        alone = not self.members.view.partners(self.ctx.me)
+        self._counted = (self._tokens, self._expert_tokens.clone())
+        self._early = Prematch.begin(
+            self.ctx, self.members.view, slot, self.round_index + 1, report.step, self._weights(model),
+            groups, alone, at,
+        )  # fmt: skip
 
     def _sync_point(self, step: int) -> bool:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
@@ -153,17 +183,44 @@ class SwarmSync:
         return take_last_round(self, model, report)
 
     # -- rounds ---------------------------------------------------------------------------------------------
-    def start_round(self, model: MoETransformer, step: int, scheduled: float | None = None) -> None:
-        self.round_index += 1
-        local = list(model.local_experts)
+    def _weights(self, model: MoETransformer) -> dict[str, float]:
+        """Each item's tokens since the last round, in sync intervals' worth."""
         unit = max(1.0, float(self.sc.sync_every * max(1, self._step_tokens)))  # same on every peer
         weights = {DENSE: max(1.0, self._tokens) / unit}
-        weights |= {expert_item(e): max(1.0, float(self._expert_tokens[e])) / unit for e in local}
-        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
-        local_tensors = {DENSE: dense_tensors(model)} | {
-            expert_item(e): expert_tensors(model, e) for e in local
+        weights |= {
+            expert_item(e): max(1.0, float(self._expert_tokens[e])) / unit for e in model.local_experts
         }
-        groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
+        return {k: min(w, 100.0) for k, w in weights.items()}
+
+    def start_round(
+        self, model: MoETransformer, step: int, scheduled: float | None = None, early: Prematch | None = None
+    ) -> None:
+        """``early``: this slot's groups, met before it (``sync.prematch_s``); used unless this is a last
+        round, another round started since, or the groups' layout changed."""
+        self.round_index += 1
+        local = list(model.local_experts)
+        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
+        stale = early is not None and (
+            scheduled is not None
+            or self.leaving
+            or early.index != self.round_index
+            or early.slot != self._slot
+            or [spec for spec, _ in early.groups] != specs  # our experts or their holders changed since
+        )
+        if early is not None and stale:
+            early.cancel()
+            early = None
+        if early is not None:  # its weights counted the tokens until it met: the rest count next time
+            weights, groups = dict(early.weights), list(early.groups)
+            self._tokens -= self._counted[0]
+            self._expert_tokens -= self._counted[1]
+        else:
+            weights = self._weights(model)
+            self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
+            local_tensors = {DENSE: dense_tensors(model)} | {
+                expert_item(e): expert_tensors(model, e) for e in local
+            }
+            groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
         plan = RoundPlan(
             self.round_index,
             step,
@@ -172,7 +229,7 @@ class SwarmSync:
             # non-local experts do not change during a round (downloads are applied after it): the round
             # reads them in place instead of holding a host copy of most of the model
             {e: expert_tensors(model, e) for e in range(self.n_experts) if e not in local},
-            {k: min(w, 100.0) for k, w in weights.items()},
+            weights,
             groups,
             sole,
             scheduled,
@@ -180,8 +237,8 @@ class SwarmSync:
             alone=not self.members.view.partners(self.ctx.me),
             refresh=self._point % self.sc.refresh_every == 0,
             copy_steps=dict(self.copy_steps),
+            prematched=early.handles if early is not None else {},
         )
-        self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
         self._in_flight_until = time.monotonic() + wait + self.timing.join_round_s
         self._in_flight = threading.Thread(
@@ -260,6 +317,8 @@ class SwarmSync:
         """Leave now: withdraw, give a round in flight a moment, close every group. A round still running
         is abandoned (its thread is a daemon; its calls fail once the groups are closed)."""
         self.members.close()
+        if self._early is not None:
+            self._early.cancel()
         if self._in_flight is not None:
             self._in_flight.join(timeout=min(2.0, max(0.0, self._in_flight_until - time.monotonic())))
         self.transport.close_groups([*self.ctx.groups.take_all(), *self.ctx.server.groups, self.copies.group])

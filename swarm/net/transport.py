@@ -3,6 +3,7 @@
 
     group = transport.open("demo_dense", like=tensors)    # one averaging group, reused round after round
     handle = group.start(tensors, info, matchmaking_s=5.0) # returns at once
+    handle = group.trigger(group.prematch(info, slot, 5.0), tensors)  # or: members met before the slot
     outcome = group.outcome(handle, timeout=60.0)          # GroupOutcome: averaged tensors + members' infos
     group.serve(tensors, meta)                             # what downloaders of this group get from us
     served = transport.fetch(peer, "demo_dense", timeout=30.0)
@@ -101,6 +102,21 @@ class Group(Protocol):
         """Begin a round in the background; ``info`` is gathered by every member. ``expected``: how many
         members we expect (ourselves included): the group may begin as soon as that many have joined,
         instead of at the end of the matchmaking window."""
+        ...
+
+    def prematch(
+        self, info: dict[str, Any], scheduled: float, matchmaking_s: float, expected: int | None = None
+    ) -> Any:
+        """Look for members now, for a round whose all-reduce waits for ``trigger`` (``sync.prematch_s``):
+        ``info`` is gathered as in ``start``; ``scheduled``: the wall time it is meant to begin at."""
+        ...
+
+    def trigger(self, handle: Any, tensors: Iterable[torch.Tensor]) -> Any:
+        """A prematched round's tensors: its all-reduce may begin. Returns what ``outcome`` takes."""
+        ...
+
+    def cancel(self, handle: Any) -> None:
+        """Give up a prematched round that will not be triggered (its members are left without us)."""
         ...
 
     def outcome(self, handle: Any, timeout: float) -> GroupOutcome: ...

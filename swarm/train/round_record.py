@@ -47,6 +47,7 @@ class RoundRecord:
     # members' digests), "verify" (decoding, tensor checks, commit), "serve" (our new copies handed to the
     # groups that serve them)
     check_seconds: dict[str, float] = field(default_factory=dict)
+    met_early: list[str] = field(default_factory=list)  # groups whose members met before the slot (prematch)
     downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
     downloads_ended_s: float | None = None  # ... and ended
     downloads_waited_s: float | None = None  # the longest a holder's copy was waited for to be fresh
