@@ -98,3 +98,11 @@ def test_fingerprint_covers_model_shape_only():
     assert config_from_dict({"train": {"lr": 1e-3}}).fingerprint() == base.fingerprint()
     assert config_from_dict({"model": {"n_layers": 5}}).fingerprint() != base.fingerprint()
     assert config_from_dict({"run_id": "other"}).fingerprint() != base.fingerprint()
+
+
+def test_a_member_met_before_the_slot_is_waited_for_as_long_as_the_matchmaking_window():
+    from swarm.config import SyncConfig
+    from swarm.net.timing import Timing
+
+    assert Timing.from_config(SyncConfig(sync_every_s=10, matchmaking_s=4.0)).late_s == 0.0
+    assert Timing.from_config(SyncConfig(sync_every_s=10, matchmaking_s=4.0, prematch_s=2.0)).late_s == 4.0

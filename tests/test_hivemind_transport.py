@@ -130,10 +130,14 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
 
 def test_a_group_met_before_its_slot_averages_exactly_the_tensors_written_at_the_trigger():
     """``sync.prematch_s`` on hivemind: the members meet seconds ahead, keep serving their last result
-    meanwhile, and each writes its tensors only when it triggers the all-reduce."""
+    meanwhile, and each writes its tensors only when it triggers the all-reduce. A member that triggers
+    later than a sender is waited for (2 x request_s) is still waited for, up to ``Timing.late_s``."""
+    import dataclasses
+
+    timing = dataclasses.replace(TIMING, late_s=3.0)  # a sender is otherwise given up after 3 s
     first = start_dht()
     dhts = [first, start_dht(visible_maddrs(first)), start_dht(visible_maddrs(first))]
-    groups = [HivemindTransport(d, TIMING).open("t_early", [torch.zeros(1000), torch.zeros(1)]) for d in dhts]
+    groups = [HivemindTransport(d, timing).open("t_early", [torch.zeros(1000), torch.zeros(1)]) for d in dhts]
     try:
         groups[0].serve([torch.full((1000,), 9.0), torch.ones(1)], {"step": 1})
         slot = time.time() + 2.0
@@ -145,6 +149,8 @@ def test_a_group_met_before_its_slot_averages_exactly_the_tensors_written_at_the
         assert served.meta == {"step": 1} and served.tensors[0][0].item() == 9.0  # still our last result
         time.sleep(max(0.0, slot - time.time()))
         for i, (g, h) in enumerate(zip(groups, handles, strict=True)):
+            if i == 2:
+                time.sleep(4.0)  # a member held up by a long step or an evaluation
             g.trigger(h, [torch.full((1000,), float(i + 1)), torch.ones(1)])
         outcomes = [g.outcome(h, timeout=20) for g, h in zip(groups, handles, strict=True)]
         for out in outcomes:

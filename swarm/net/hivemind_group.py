@@ -45,7 +45,8 @@ class HivemindGroup:
     """See the module docstring. ``like``: the buffers' shapes, or None for a group that only serves (its
     copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_compression``:
     how served copies travel (default fp16); ``rule``: how this member reduces its part of the all-reduce
-    (``swarm.sync.robust_mean``; None: the mean). An averaging group serves its buffers between rounds (one
+    (``swarm.sync.robust_mean``; None: the mean); ``late_s``: how much later than the others a member of a
+    group met early may begin its all-reduce (``Timing.late_s``). An averaging group serves its buffers between rounds (one
     host copy per group)."""
 
     def __init__(
@@ -57,6 +58,7 @@ class HivemindGroup:
         matchmaking_time: float = 5.0,
         allreduce_timeout: float = 60.0,
         request_timeout: float = 5.0,
+        late_s: float = 0.0,
         compression: CompressionBase | None = None,
         serve_compression: CompressionBase | None = None,
         rule: AggregationRule | None = None,
@@ -75,10 +77,12 @@ class HivemindGroup:
                 request_timeout=request_timeout,
                 allreduce_timeout=allreduce_timeout,
                 # a busy peer (its CPUs training) can be seconds late with a part: a part that times out
-                # leaves a partial round that every member must drop, so these waits are generous
+                # leaves a partial round that every member must drop, so these waits are generous; a member
+                # of a group met early starts its all-reduce when it reaches the slot, up to ``late_s``
+                # after the others (a step, an evaluation): its first part is waited for that much longer
                 next_chunk_timeout=2 * request_timeout,
-                sender_timeout=2 * request_timeout,
-                reducer_timeout=4 * request_timeout,
+                sender_timeout=2 * request_timeout + late_s,
+                reducer_timeout=4 * request_timeout + late_s,
                 compression=compression or NoCompression(),
                 state_compression=serve_compression or Float16Compression(),
                 allow_state_sharing=True,

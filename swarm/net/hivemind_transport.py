@@ -109,6 +109,7 @@ class HivemindTransport:
             matchmaking_time=t.matchmaking_s,
             allreduce_timeout=t.round_s,
             request_timeout=t.request_s,
+            late_s=t.late_s,
             compression=hivemind_compression(self.codec),
             serve_compression=self._serving(name, serve_codec),
             rule=self.rule,

@@ -19,6 +19,9 @@ class Timing:
     heartbeat_s: float  # the heartbeat period; readers call a peer stale after two missed periods
     request_s: float  # one averaging request or streamed chunk
     final_agreement_s: float  # one step of the final agreement (a digest read, a download)
+    # how late a member of a group met before the slot (``sync.prematch_s``) may begin its all-reduce and
+    # still be waited for: in a group met at the slot, one that late would have missed the matchmaking window
+    late_s: float = 0.0
 
     @classmethod
     def from_config(cls, sc: SyncConfig) -> Timing:
@@ -29,6 +32,7 @@ class Timing:
             heartbeat_s=sc.heartbeat_s,
             request_s=min(3.0, sc.matchmaking_s / 2),
             final_agreement_s=min(10.0, sc.round_timeout_s / 3),
+            late_s=sc.matchmaking_s if sc.prematch_s > 0 else 0.0,
         )
 
     @property
