@@ -128,41 +128,6 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
         boot.shutdown()
 
 
-def test_a_group_met_before_its_slot_averages_exactly_the_tensors_written_at_the_trigger():
-    """``sync.prematch_s`` on hivemind: the members meet seconds ahead, keep serving their last result
-    meanwhile, and each writes its tensors only when it triggers the all-reduce. A member that triggers
-    later than a sender is waited for (2 x request_s) is still waited for, up to ``Timing.late_s``."""
-    import dataclasses
-
-    timing = dataclasses.replace(TIMING, late_s=3.0)  # a sender is otherwise given up after 3 s
-    first = start_dht()
-    dhts = [first, start_dht(visible_maddrs(first)), start_dht(visible_maddrs(first))]
-    groups = [HivemindTransport(d, timing).open("t_early", [torch.zeros(1000), torch.zeros(1)]) for d in dhts]
-    try:
-        groups[0].serve([torch.full((1000,), 9.0), torch.ones(1)], {"step": 1})
-        slot = time.time() + 2.0
-        handles = [g.prematch({"i": i}, slot, TIMING.matchmaking_s, expected=3) for i, g in enumerate(groups)]
-        while not all(g.formed(h) for g, h in zip(groups, handles, strict=True)):
-            assert time.time() < slot, "the group did not meet before its slot"
-            time.sleep(0.02)
-        served = HivemindTransport(dhts[1], TIMING).fetch(dhts[0].peer_id.to_base58(), "t_early", timeout=10)
-        assert served.meta == {"step": 1} and served.tensors[0][0].item() == 9.0  # still our last result
-        time.sleep(max(0.0, slot - time.time()))
-        for i, (g, h) in enumerate(zip(groups, handles, strict=True)):
-            if i == 2:
-                time.sleep(4.0)  # a member held up by a long step or an evaluation
-            g.trigger(h, [torch.full((1000,), float(i + 1)), torch.ones(1)])
-        outcomes = [g.outcome(h, timeout=20) for g, h in zip(groups, handles, strict=True)]
-        for out in outcomes:
-            assert out.ok, out.reason
-            assert sorted(info["i"] for info in out.members.values()) == [0, 1, 2]
-            assert torch.equal(out.tensors[0], torch.full((1000,), 2.0)) and out.tensors[1].item() == 1.0
-    finally:
-        close_groups(groups)
-        for d in reversed(dhts):
-            d.shutdown()
-
-
 def test_an_int8_group_averages_within_the_codecs_error_and_small_tensors_exactly():
     dht1 = start_dht()
     dht2 = start_dht(visible_maddrs(dht1))
