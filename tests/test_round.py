@@ -298,7 +298,9 @@ def test_groups_met_before_the_slot_average_to_the_exact_weighted_mean_once_trig
     plans = {p: swarm.plan(p, weights=weights[p]) for p in peers}
     slot = time.time() + 0.5
     early = {
-        p: Prematch.begin(swarm.ctx[p], swarm.view, 1, 1, 9, plans[p].weights, plans[p].groups, False, slot)
+        p: Prematch.begin(
+            swarm.ctx[p], swarm.view, 1, 1, 9, plans[p].weights, (0, None), plans[p].groups, False, slot
+        )
         for p in peers
     }
     assert all(set(early[p].handles) == {spec.name for spec, _ in plans[p].groups} for p in peers)

@@ -16,10 +16,14 @@ import hashlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from swarm.net.transport import Group, GroupTransport
+
+if TYPE_CHECKING:
+    from swarm.net.membership import MembershipView
 
 DENSE = "dense"
 MAX_NAME = 64
@@ -152,3 +156,12 @@ class OpenGroups:
         with self._lock:
             groups, self._open = list(self._open.values()), {}
         return groups
+
+
+def expected_members(spec: GroupSpec, view: MembershipView, me: str) -> int:
+    """How many members the group should have, as our view sees it (ourselves included)."""
+    if spec.items == (DENSE,):
+        return 1 + len(view.partners(me))
+    return len(
+        frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
+    )

@@ -46,8 +46,8 @@ class HivemindGroup:
     copies may change shape); ``compression``: how tensors travel in the all-reduce; ``serve_compression``:
     how served copies travel (default fp16); ``rule``: how this member reduces its part of the all-reduce
     (``swarm.sync.robust_mean``; None: the mean); ``late_s``: how much later than the others a member of a
-    group met early may begin its all-reduce (``Timing.late_s``). An averaging group serves its buffers between rounds (one
-    host copy per group)."""
+    group met early may begin its all-reduce (``Timing.late_s``). An averaging group serves its buffers
+    between rounds (one host copy per group)."""
 
     def __init__(
         self,

@@ -261,7 +261,7 @@ class LocalGroup:
                 if left <= 0:
                     break  # the members that gave their tensors average without the others
                 return GroupOutcome(False, f"TimeoutError: no result within {timeout:.1f} s")
-            time.sleep(min(POLL_S, max(left, POLL_S), max(0.0, deadline - time.monotonic())))
+            time.sleep(min(POLL_S, left if left > 0 else POLL_S, max(0.0, deadline - time.monotonic())))
         self.net.close(handle)
         formed_at = time.monotonic() - max(0.0, time.time() - handle.closes_at)
         return dataclasses.replace(handle.results[self.me], formed_at=formed_at)

@@ -1,6 +1,6 @@
 """Groups that meet their members before a round's slot (``sync.prematch_s``).
 
-    early = Prematch.begin(ctx, view, slot, index, step, weights, groups, alone, scheduled)  # training thread
+    early = Prematch.begin(ctx, view, slot, index, step, weights, counted, groups, alone, at)  # training thread
     ...                                                    # training goes on; the groups form meanwhile
     plan = RoundPlan(..., weights=early.weights, groups=early.groups, prematched=early.handles)  # at the slot
     early.cancel()                                         # or, when no round starts at that slot
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarm.net.group_layout import DENSE, GroupSpec
+from swarm.net.group_layout import DENSE, GroupSpec, expected_members
 from swarm.net.round_checks import weighted
 from swarm.net.round_info import RoundInfo
 from swarm.net.transport import Group
@@ -47,6 +47,7 @@ class Prematch:
     slot: int
     index: int  # the round's number (``RoundPlan.index``)
     weights: Mapping[str, float]
+    counted: tuple[int, Any]  # the tokens the weights count: dense, and per expert (a tensor)
     groups: Sequence[tuple[GroupSpec, Group]]
     handles: Mapping[str, Prematched]  # group name -> its early meeting
 
@@ -59,14 +60,13 @@ class Prematch:
         index: int,
         step: int,
         weights: Mapping[str, float],
+        counted: tuple[int, Any],
         groups: Sequence[tuple[GroupSpec, Group]],
         alone: bool,
         scheduled: float,
     ) -> Prematch:
         """Look for every group's members now, for an all-reduce at ``scheduled`` (wall time). A group that
         cannot be met early (an error here) is started at the slot as usual."""
-        from swarm.net.round import expected_members
-
         handles = {}
         for spec, group in groups:
             if alone and spec.items == (DENSE,):
@@ -82,14 +82,18 @@ class Prematch:
             except Exception:
                 continue
             handles[spec.name] = Prematched(handle, reference)
-        return cls(slot, index, dict(weights), list(groups), handles)
+        return cls(slot, index, dict(weights), counted, list(groups), handles)
 
     def cancel(self) -> None:
         """No round starts at this slot: every group met early is left."""
         for spec, group in self.groups:
-            early = self.handles.get(spec.name)
-            if early is not None:
-                try:
-                    group.cancel(early.handle)
-                except Exception:
-                    pass
+            if spec.name in self.handles:
+                leave(group, self.handles[spec.name])
+
+
+def leave(group: Group, early: Prematched) -> None:
+    """Give up a group met early that will not be triggered (already triggered, or closed: nothing to do)."""
+    try:
+        group.cancel(early.handle)
+    except Exception:
+        pass

@@ -30,9 +30,17 @@ from swarm.config import RunConfig, SyncConfig
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
-from swarm.net.group_layout import DENSE, GroupSpec, OpenGroups, expert_item, item_expert, pack, served_dense
+from swarm.net.group_layout import (
+    DENSE,
+    GroupSpec,
+    OpenGroups,
+    expected_members,
+    expert_item,
+    pack,
+    served_dense,
+)
 from swarm.net.membership import MembershipView
-from swarm.net.prematch import Prematched
+from swarm.net.prematch import Prematched, leave
 from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.round_downloads import Gate, RoundDownloads
@@ -174,7 +182,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         early = plan.prematched.get(spec.name)
         if plan.alone and spec.items == (DENSE,):
             if early is not None:  # met early, but nobody is in view now
-                _cancel_quietly(group, early.handle)
+                leave(group, early)
             started.append((spec, group, None))
             continue
         # a robust rule weights members equally: a weight is only what a member says of itself
@@ -196,14 +204,14 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 rec.met_early.append(_label(spec))
             else:  # met early against another reference (another thread forgot ours): start as usual
                 if early is not None:
-                    group.cancel(early.handle)
+                    leave(group, early)
                 mm = wait + timing.ordinary_matchmaking_s
                 handle = group.start(
                     payload.tensors, info.to_msg(), mm, plan.scheduled, expected_members(spec, view, ctx.me)
                 )
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             if early is not None:
-                _cancel_quietly(group, early.handle)
+                leave(group, early)
             rec.rejected.append(f"{_label(spec)}: {type(e).__name__}: {e}"[:200])
             started.append((spec, None, None))
             continue
@@ -342,15 +350,6 @@ def _take_reference(
     return ""
 
 
-def expected_members(spec: GroupSpec, view: MembershipView, me: str) -> int:
-    """How many members the group should have, as our view sees it (ourselves included)."""
-    if spec.items == (DENSE,):
-        return 1 + len(view.partners(me))
-    return len(
-        frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
-    )
-
-
 def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: MembershipView) -> bool:
     """A dense group of two under a robust rule while three or more peers are in view: the rule cannot tell
     which of two members is the rogue (each is the other's whole majority), so a rogue that paired with us
@@ -363,13 +362,6 @@ def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: Members
         and size == 2
         and expected_members(spec, view, ctx.me) >= 3
     )
-
-
-def _cancel_quietly(group: Group, handle) -> None:
-    try:
-        group.cancel(handle)
-    except Exception:  # already triggered, or the group closed: nothing to leave
-        pass
 
 
 def _label(spec: GroupSpec) -> str:

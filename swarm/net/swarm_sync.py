@@ -76,7 +76,6 @@ class SwarmSync:
         self._in_flight: threading.Thread | None = None
         self._in_flight_until = 0.0  # monotonic time after which a round still running is abandoned
         self._early: Prematch | None = None  # the next slot's groups, met before it (``sync.prematch_s``)
-        self._counted: tuple[int, torch.Tensor] = (0, self._expert_tokens)  # tokens its weights counted
 
     def round_running(self) -> bool:
         running = self._in_flight is not None and self._in_flight.is_alive()
@@ -131,16 +130,18 @@ class SwarmSync:
         if time.time() < at - self.sc.prematch_s or self.round_running() or self._near_last_round(report):
             return
         specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
+        alone = not self.members.view.partners(self.ctx.me)
+        self._early = Prematch.begin(
+            self.ctx, self.members.view, slot, self.round_index + 1, report.step, self._weights(model),
+            (self._tokens, self._expert_tokens.clone()), self._groups(model, specs), alone, at,
+        )  # fmt: skip
+
+    def _groups(self, model: MoETransformer, specs) -> list:
+        """The layout's groups, opened on first use (``OpenGroups``) with our tensors' shapes."""
         local_tensors = {DENSE: dense_tensors(model)} | {
             expert_item(e): expert_tensors(model, e) for e in model.local_experts
         }
-        groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
-        alone = not self.members.view.partners(self.ctx.me)
-        self._counted = (self._tokens, self._expert_tokens.clone())
-        self._early = Prematch.begin(
-            self.ctx, self.members.view, slot, self.round_index + 1, report.step, self._weights(model),
-            groups, alone, at,
-        )  # fmt: skip
+        return [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
 
     def _sync_point(self, step: int) -> bool:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
@@ -200,27 +201,22 @@ class SwarmSync:
         self.round_index += 1
         local = list(model.local_experts)
         specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
-        stale = early is not None and (
+        if early is not None and (
             scheduled is not None
             or self.leaving
             or early.index != self.round_index
             or early.slot != self._slot
             or [spec for spec, _ in early.groups] != specs  # our experts or their holders changed since
-        )
-        if early is not None and stale:
+        ):
             early.cancel()
             early = None
         if early is not None:  # its weights counted the tokens until it met: the rest count next time
             weights, groups = dict(early.weights), list(early.groups)
-            self._tokens -= self._counted[0]
-            self._expert_tokens -= self._counted[1]
+            self._tokens -= early.counted[0]
+            self._expert_tokens -= early.counted[1]
         else:
-            weights = self._weights(model)
+            weights, groups = self._weights(model), self._groups(model, specs)
             self._tokens, self._expert_tokens = 0, torch.zeros_like(self._expert_tokens)
-            local_tensors = {DENSE: dense_tensors(model)} | {
-                expert_item(e): expert_tensors(model, e) for e in local
-            }
-            groups = [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
         plan = RoundPlan(
             self.round_index,
             step,
