@@ -69,8 +69,7 @@ def test_overrides_are_typed(repo_root):
         ({"data": {"seq_len": 4096}}, "data.seq_len"),
         ({"sync": {"sync_alpha": 0}}, "sync.sync_alpha"),
         ({"sync": {"sync_every_s": 0.5}}, "sync.sync_every_s"),
-        ({"sync": {"prematch_s": 2.0}}, "sync.prematch_s"),  # rounds by steps: no slot to meet before
-        ({"sync": {"sync_every_s": 10, "prematch_s": 5.0}}, "sync.prematch_s"),
+        ({"sync": {"prematch_s": -1.0}}, "sync.prematch_s"),
         ({"sync": {"codec": "int3"}}, "sync.codec"),
         ({"sync": {"refresh_every": 0}}, "sync.refresh_every"),
         ({"mdoel": {}}, "mdoel"),
@@ -104,5 +103,15 @@ def test_a_member_met_before_the_slot_is_waited_for_as_long_as_the_matchmaking_w
     from swarm.config import SyncConfig
     from swarm.net.timing import Timing
 
-    assert Timing.from_config(SyncConfig(sync_every_s=10, matchmaking_s=4.0)).late_s == 0.0
+    assert Timing.from_config(SyncConfig(sync_every_s=10, matchmaking_s=4.0, prematch_s=0)).late_s == 0.0
     assert Timing.from_config(SyncConfig(sync_every_s=10, matchmaking_s=4.0, prematch_s=2.0)).late_s == 4.0
+    assert Timing.from_config(SyncConfig(matchmaking_s=4.0, prematch_s=2.0)).late_s == 0.0  # rounds by steps
+
+
+def test_groups_meet_before_a_slot_by_prematch_s_at_most_a_quarter_of_it():
+    from swarm.config import SyncConfig
+
+    assert SyncConfig(sync_every_s=10).prematch_window_s == 2.0  # on by default
+    assert SyncConfig(sync_every_s=4, prematch_s=2.0).prematch_window_s == 1.0
+    assert SyncConfig(sync_every_s=10, prematch_s=0).prematch_window_s == 0.0
+    assert SyncConfig(prematch_s=2.0).prematch_window_s == 0.0  # rounds by steps: no slot to meet before

@@ -242,7 +242,8 @@ def test_a_sync_point_reached_with_a_round_in_flight_is_taken_late_when_that_rou
     """With rounds on the wall clock, a round that overruns its slot by a little joins the next slot's round
     late (the others are still looking for partners) instead of skipping it: a skipped slot leaves peers a
     slot out of step, and with more peers they pair off, round after round."""
-    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6)  # late for 0.8 s into a slot
+    # late for 0.8 s into a slot; groups met at the slot (met before it, the delay falls before the slot)
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0)
     net = LocalNetwork(matchmaking_s=1.6, faults=[Fault("delay", peer="b", round=1, seconds=2.1)])
     peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     # start just after a slot begins: a slot that began in the peers' first steps made a round before they
@@ -257,3 +258,34 @@ def test_a_sync_point_reached_with_a_round_in_flight_is_taken_late_when_that_rou
         assert overran and overran[0] + 1 < len(started), started  # b's delayed round (a waited for it)
         after = started[overran[0] + 1]  # the next slot's round, which the peer joined late
         assert after.clean and after.dense_group == 2, after
+
+
+def test_a_round_met_early_goes_on_at_its_slot_though_the_step_limit_came_near_meanwhile():
+    """With rounds on the wall clock, an ordinary round is skipped within ``sync_every`` steps of the step
+    limit; a peer that met the round's groups early, further from it, keeps its word at the slot (the
+    others' all-reduce counts on it: on hivemind, one that gave up there cost a member 11 s and a partial
+    all-reduce)."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+
+    def steps(step: int, left: dict[str, int]) -> dict:
+        return {me: s.after_step(m, StepReport(step, 64 * step, 64, tokens, 1.0, steps_left=left[me])).records
+                for me, (m, s) in peers.items()}  # fmt: skip
+
+    try:
+        slot = (time.time() // 2.0 + 1) * 2.0
+        time.sleep(slot - time.time() + 0.05)
+        steps(1, {"a": 50, "b": 50})  # the first slot is only seen
+        time.sleep(slot + 2.0 - time.time() - 0.3)
+        steps(2, {"a": 8, "b": 50})  # both meet the next slot's groups: a is 8 steps from its limit
+        time.sleep(slot + 2.0 - time.time() + 0.05)
+        assert steps(3, {"a": 2, "b": 50}) == {"a": [], "b": []}  # a is 2 steps from it now: goes on
+        for me, (model, sync_) in peers.items():
+            sync_.wait_for_round()
+            (rec,) = sync_.apply_finished(model)
+            assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
+    finally:
+        for _, s in peers.values():
+            s.close()

@@ -109,7 +109,8 @@ class SwarmSync:
                     records.append(RoundRecord(step=report.step, round=self.round_index, reason=IN_FLIGHT))
             else:
                 self._late_until = None
-                if self._near_last_round(report):
+                # met early: the step limit was judged at the meeting, and the others went by that too
+                if self._near_last_round(report, met_early=early is not None and early.slot == self._slot):
                     records.append(RoundRecord(step=report.step, reason="too close to the last round"))
                 else:
                     self.start_round(model, report.step, early=early)
@@ -121,13 +122,17 @@ class SwarmSync:
         return SyncReply(records, self.members.claimed)
 
     def _meet_early(self, model: MoETransformer, report: StepReport) -> None:
-        """With ``sync.prematch_s``, meet the next slot's groups that many seconds before it, unless a round
+        """With ``sync.prematch_s``, meet the next slot's groups ``prematch_window_s`` before it, unless a round
         is in flight (its result may change our references) or the last round is near."""
-        if self.sc.prematch_s <= 0 or self.sc.sync_every_s <= 0 or self._slot is None or self._early:
+        if self.sc.prematch_window_s <= 0 or self._slot is None or self._early:
             return
         slot = self._slot + 1
         at = slot * self.sc.sync_every_s
-        if time.time() < at - self.sc.prematch_s or self.round_running() or self._near_last_round(report):
+        if (
+            time.time() < at - self.sc.prematch_window_s
+            or self.round_running()
+            or self._near_last_round(report)
+        ):
             return
         specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
         alone = not self.members.view.partners(self.ctx.me)
@@ -154,13 +159,16 @@ class SwarmSync:
         self._slot = self._point = slot
         return due
 
-    def _near_last_round(self, report: StepReport) -> bool:
+    def _near_last_round(self, report: StepReport, met_early: bool = False) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
         opens (it would meet the last round's steps, and that mixed group is dropped by all). With rounds
         on the wall clock, also within ``sync_every`` steps of the step limit (others may be in their last
-        round by then; by steps, the limit is a sync point itself)."""
+        round by then; by steps, the limit is a sync point itself), unless the round's groups ``met_early``
+        while it was further: its members count on its all-reduce (on H100 peers, one that gave up at the
+        slot left the member that went on with a partial all-reduce after 11 s)."""
         t, at, left = self.timing, self.last_round_at, report.steps_left
-        if self.sc.sync_every_s > 0 and left is not None and left < self.sc.sync_every:
+        by_steps = self.sc.sync_every_s > 0 and not met_early
+        if by_steps and left is not None and left < self.sc.sync_every:
             return True
         return at is not None and time.time() + t.ordinary_matchmaking_s >= at - t.matchmaking_s
 

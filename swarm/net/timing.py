@@ -32,7 +32,7 @@ class Timing:
             heartbeat_s=sc.heartbeat_s,
             request_s=min(3.0, sc.matchmaking_s / 2),
             final_agreement_s=min(10.0, sc.round_timeout_s / 3),
-            late_s=sc.matchmaking_s if sc.prematch_s > 0 else 0.0,
+            late_s=sc.matchmaking_s if sc.prematch_window_s > 0 else 0.0,
         )
 
     @property
