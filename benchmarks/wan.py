@@ -16,7 +16,9 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   model's fp32 bytes (a butterfly sends and receives 2(n-1)/n of it);
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
-  ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``), and
+  ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``),
+  ``startup_s`` how long its own start-up took (``RoundRecord.startup_s``: on hivemind, within
+  matchmaking), and
   ``check_s`` where its checks' went (``RoundRecord.check_seconds``), ``downloads_s`` when a refresh
   round's downloads began and ended and how long the longest waited for a holder's fresh copy;
   ``round_fit``: a round's seconds as ``fixed_s`` + ``per_payload`` x its payload's seconds on the link
@@ -184,7 +186,7 @@ def round_fit(points: list[tuple[float, float]]) -> dict | None:
 
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, links: LinkSampler) -> dict:
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
-    uses = []
+    uses, startups = [], []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
     fetches: dict[str, list[float]] = {}
@@ -209,6 +211,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
                 phases.setdefault(phase, []).append(s)
             for part, s in r.check_seconds.items():
                 checks.setdefault(part, []).append(s)
+            if r.startup_s is not None:
+                startups.append(r.startup_s)
             if r.downloads_ended_s is not None:  # a refresh round
                 for key in ("began", "ended", "waited"):
                     fetches.setdefault(key, []).append(getattr(r, f"downloads_{key}_s"))
@@ -230,6 +234,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         "round_vs_link": round(statistics.median(link_s), 3) if link_s else None,
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
+        "startup_s": round(statistics.median(startups), 2) if startups else None,
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
         "downloads_s": {k: round(statistics.median(v), 2) for k, v in fetches.items()},
         "round_fit": round_fit(points),
@@ -292,6 +297,8 @@ def print_table(rows: list[dict], args) -> None:
 
     for r in rows:
         phases = " ".join(f"{p} {s:g}" for p, s in r["phase_s"].items())
+        if r["startup_s"] is not None:
+            phases += f" (start-up {r['startup_s']:g})"
         if r["check_s"]:
             phases += " (checks: " + " ".join(f"{p} {s:g}" for p, s in r["check_s"].items()) + ")"
         if r["downloads_s"]:

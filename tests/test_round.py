@@ -31,6 +31,7 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
         phases = rec.phase_seconds  # where the time went, adding up to the round's
         assert list(phases) == ["matchmaking", "allreduce", "checks", "downloads", "merge"], phases
         assert abs(sum(phases.values()) - rec.sync_seconds) < 0.01 and min(phases.values()) >= 0
+        assert 0 <= rec.startup_s <= rec.sync_seconds, rec.startup_s
         checks = rec.check_seconds  # within the checks (and, for all but the last group, the all-reduce)
         assert (
             sorted(checks) == ["await", "digest", "publish", "serve", "verify"] and min(checks.values()) >= 0

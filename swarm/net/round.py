@@ -227,6 +227,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     for *_, started_as in started:
         if started_as is not None:
             started_as[1].residuals  # noqa: B018 (error feedback's residual, cached: taken during the all-reduce)
+    rec.startup_s = round(time.monotonic() - t0, 3)
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then
     # the wait for the other members' digests: a member busy with another of its groups must not keep this

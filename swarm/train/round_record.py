@@ -35,7 +35,8 @@ class RoundRecord:
     host_bytes: int = 0  # host memory the round held until applied
     sync_seconds: float = 0.0
     started_at: float | None = None  # wall clock (time.time()) at the round's start
-    # where the round's time went: "matchmaking" (until the first group formed: waiting for its members),
+    # where the round's time went: "matchmaking" (until the first group formed: waiting for its members;
+    # on hivemind seen only once every group started, so never under ``startup_s``),
     # "allreduce" (until every group's outcome is in; "groups" for both when no group formed), "checks"
     # (publishing our digests, awaiting the others', tensor checks), "downloads" (the wait for the non-local
     # experts' downloads after that: they run alongside the groups, from the round's start or once the groups
@@ -48,6 +49,9 @@ class RoundRecord:
     # groups that serve them)
     check_seconds: dict[str, float] = field(default_factory=dict)
     met_early: list[str] = field(default_factory=list)  # groups whose members met before the slot (prematch)
+    # seconds into the round every group had started and our experts' new copies were served (our own
+    # start-up work: snapshots read, payloads encoded; the groups' members meanwhile meet or all-reduce)
+    startup_s: float | None = None
     downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
     downloads_ended_s: float | None = None  # ... and ended
     downloads_waited_s: float | None = None  # the longest a holder's copy was waited for to be fresh
