@@ -179,7 +179,8 @@ def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_aft
 
 
 def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apart():
-    sync = dataclasses.replace(SYNC, sync_every_s=1.0)
+    # groups met at the slot: one met early goes on within sync_every steps of the end (tested below)
+    sync = dataclasses.replace(SYNC, sync_every_s=1.0, prematch_s=0)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
     peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     # a takes 2.5 steps for each of b's: with sync_every (5) steps they would rarely be in a round together
