@@ -16,6 +16,8 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   model's fp32 bytes (a butterfly sends and receives 2(n-1)/n of it);
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
+  ``round_vs_link_later`` the same without each peer's first round (its groups' first meeting over the
+  links: 1.8 to 3.6x on H100 peers, where later rounds took 1.3 to 1.45x);
   ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``),
   ``startup_s`` how long its own start-up took (``RoundRecord.startup_s``: on hivemind, within
   matchmaking), and
@@ -172,6 +174,13 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     return row | {"interrupted": True} if interrupted else row
 
 
+def link_ratios(by_peer: list[list[tuple[float, int]]], mbit: float, skip_first: bool = False) -> list[float]:
+    """Each round's seconds over its payload's time on the link (half its ``wire_bytes``: each direction
+    carries about half), from each peer's ``(seconds, wire_bytes)`` in order; ``skip_first`` leaves out
+    each peer's first round."""
+    return [s / (b / 2 * 8 / (mbit * 1e6)) for rounds in by_peer for s, b in rounds[int(skip_first) :]]
+
+
 def round_fit(points: list[tuple[float, float]]) -> dict | None:
     """Least squares of round seconds on payload seconds, over ``(payload_s, round_s)`` points:
     ``{"fixed_s", "per_payload"}``, or None with fewer than 3 rounds or payloads too alike to tell the two
@@ -186,7 +195,7 @@ def round_fit(points: list[tuple[float, float]]) -> dict | None:
 
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, links: LinkSampler) -> dict:
     n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
-    uses, startups = [], []
+    uses, startups, by_peer = [], [], []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
     fetches: dict[str, list[float]] = {}
@@ -201,6 +210,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
             per_round.append((totals[-1] - totals[0]) / (len(totals) - 1))
         in_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
         seconds += [(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes]
+        by_peer.append([(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes])
         samples = links.samples(i + 1)
         for r in ordinary:
             if r.started_at is not None:
@@ -224,7 +234,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
     full = 2 * 2 * (n - 1) / n * model_bytes(cfg)
     bytes_per_round = statistics.mean(per_round) if per_round else float("nan")
     points = [(b / 2 * 8 / (args.mbit * 1e6), s) for s, b in seconds]  # (payload's time, round's)
-    link_s = [s / p for p, s in points]
+    link_s = link_ratios(by_peer, args.mbit)
+    later_s = link_ratios(by_peer, args.mbit, skip_first=True)
     return {
         "bytes_per_round": int(bytes_per_round) if per_round else None,
         "round_bytes": int(statistics.mean(in_round)) if in_round else None,
@@ -232,6 +243,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         "full_allreduce_bytes": int(full),
         "bytes_ratio": round(bytes_per_round / full, 4) if per_round else None,
         "round_vs_link": round(statistics.median(link_s), 3) if link_s else None,
+        "round_vs_link_later": round(statistics.median(later_s), 3) if later_s else None,
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "startup_s": round(statistics.median(startups), 2) if startups else None,

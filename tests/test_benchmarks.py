@@ -244,6 +244,19 @@ def test_wan_round_fit_separates_a_rounds_fixed_seconds_from_its_payloads():
     assert round_fit([(4.56, 5.4), (4.57, 5.9), (4.6, 5.6)]) is None  # nearly alike (fp32 rounds)
 
 
+def test_wan_link_ratios_divide_a_round_by_its_payloads_time_with_or_without_each_peers_first():
+    from benchmarks.wan import link_ratios
+
+    # 25 MB each way at 100 Mbit/s take 2 s
+    by_peer = [
+        [(6.0, 50_000_000), (2.6, 50_000_000)],
+        [(5.0, 25_000_000), (1.5, 25_000_000), (1.2, 25_000_000)],
+    ]
+    assert link_ratios(by_peer, 100) == pytest.approx([3.0, 1.3, 5.0, 1.5, 1.2])
+    assert link_ratios(by_peer, 100, skip_first=True) == pytest.approx([1.3, 1.5, 1.2])
+    assert link_ratios([[(4.0, 50_000_000)]], 100, skip_first=True) == []
+
+
 def test_link_use_finds_a_rounds_idle_head_and_tail_on_its_busier_direction():
     from benchmarks.link_use import LinkSampler, link_use
 
