@@ -328,3 +328,35 @@ def test_a_peer_whose_first_step_falls_early_in_a_slot_joins_that_slots_round():
     finally:
         for _, s in peers.values():
             s.close()
+
+
+def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_part_in_it():
+    """Between the early meeting and the slot a peer may reach its step limit: its part of that round goes
+    on (triggered at once), so the members that met it are not left with a partial all-reduce."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+
+    def step(me: str, n: int, left: int) -> list:
+        model, s = peers[me]
+        report = StepReport(n, 64 * n, 64, tokens, 1.0, last=left == 0, steps_left=left)
+        return s.after_step(model, report).records
+
+    try:
+        slot = (time.time() // 2.0 + 2) * 2.0
+        time.sleep(slot - time.time() - 2.0 + 0.3)
+        step("a", 1, 50), step("b", 1, 50)  # the slot before: only seen
+        time.sleep(slot - time.time() - 0.4)
+        step("a", 2, 50), step("b", 2, 50)  # both meet the next slot's groups
+        time.sleep(0.2)
+        assert step("a", 3, 0) == []  # a's last step, before the slot: its part goes on
+        time.sleep(slot - time.time() + 0.05)
+        assert step("b", 3, 50) == []
+        for me, (model, s) in peers.items():
+            s.wait_for_round()
+            (rec,) = s.apply_finished(model)
+            assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
+    finally:
+        for _, s in peers.values():
+            s.close()

@@ -115,6 +115,11 @@ class SwarmSync:
                 else:
                     self.start_round(model, report.step, early=early)
                     early = None
+        if early is not None and report.last and not self.round_running():
+            # met early, and our step limit came first: the others' all-reduce counts on us, so that round
+            # goes on now (the last round waits for it); given up, it would leave them a partial all-reduce
+            self.start_round(model, report.step, early=early)
+            early = None
         if early is not None:  # met early for a round that did not start at its slot
             early.cancel()
         if not point and not report.last:
@@ -211,8 +216,9 @@ class SwarmSync:
     def start_round(
         self, model: MoETransformer, step: int, scheduled: float | None = None, early: Prematch | None = None
     ) -> None:
-        """``early``: this slot's groups, met before it (``sync.prematch_s``); used unless this is a last
-        round, another round started since, or the groups' layout changed."""
+        """``early``: this slot's groups, met before it (``sync.prematch_s``), or the next slot's at our last
+        step; used unless this is a last round, another round or slot began since, or the groups' layout
+        changed."""
         self.round_index += 1
         local = list(model.local_experts)
         specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
@@ -220,7 +226,7 @@ class SwarmSync:
             scheduled is not None
             or self.leaving
             or early.index != self.round_index
-            or early.slot != self._slot
+            or early.slot < self._slot
             or [spec for spec, _ in early.groups] != specs  # our experts or their holders changed since
         ):
             early.cancel()
