@@ -65,6 +65,15 @@ def _train(
     out[me] = records
 
 
+def _finished_rounds(peers: dict) -> dict:
+    """Each peer's one round, once it has ended (the tests that drive ``after_step`` by hand)."""
+    out = {}
+    for me, (model, sync) in peers.items():
+        sync.wait_for_round()
+        (out[me],) = sync.apply_finished(model)
+    return out
+
+
 def _run(peers: dict, steps: int | dict = 30, step_s: dict | None = None) -> dict:
     out, threads = {}, []
     for i, (me, (model, sync)) in enumerate(peers.items()):
@@ -284,9 +293,7 @@ def test_a_round_met_early_goes_on_at_its_slot_though_the_step_limit_came_near_m
         steps(2, {"a": 8, "b": 50})  # both meet the next slot's groups: a is 8 steps from its limit
         time.sleep(slot + 2.0 - time.time() + 0.05)
         assert steps(3, {"a": 2, "b": 50}) == {"a": [], "b": []}  # a is 2 steps from it now: goes on
-        for me, (model, sync_) in peers.items():
-            sync_.wait_for_round()
-            (rec,) = sync_.apply_finished(model)
+        for me, rec in _finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
         for _, s in peers.values():
@@ -319,10 +326,7 @@ def test_a_peer_whose_first_step_falls_early_in_a_slot_joins_that_slots_round():
         step("a", 1)  # a's first step, 0.05 s into the slot
         time.sleep(0.25)
         step("c", 1)  # c's, 0.3 s into it: only seen
-        for me in "ab":
-            model, s = peers[me]
-            s.wait_for_round()
-            (rec,) = s.apply_finished(model)
+        for me, rec in _finished_rounds({me: peers[me] for me in "ab"}).items():
             assert rec.clean and rec.dense_group == 2 and rec.step in (1, 3), (me, rec)
         assert peers["c"][1].round_index == 0 and not peers["c"][1].round_running()
     finally:
@@ -353,9 +357,7 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
         assert step("a", 3, 0) == []  # a's last step, before the slot: its part goes on
         time.sleep(slot - time.time() + 0.05)
         assert step("b", 3, 50) == []
-        for me, (model, s) in peers.items():
-            s.wait_for_round()
-            (rec,) = s.apply_finished(model)
+        for me, rec in _finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
         for _, s in peers.values():
