@@ -174,11 +174,15 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     return row | {"interrupted": True} if interrupted else row
 
 
+def payload_s(wire_bytes: int, mbit: float) -> float:
+    """A round's payload's time on the link: half its ``wire_bytes`` (each direction carries about half)."""
+    return wire_bytes / 2 * 8 / (mbit * 1e6)
+
+
 def link_ratios(by_peer: list[list[tuple[float, int]]], mbit: float, skip_first: bool = False) -> list[float]:
-    """Each round's seconds over its payload's time on the link (half its ``wire_bytes``: each direction
-    carries about half), from each peer's ``(seconds, wire_bytes)`` in order; ``skip_first`` leaves out
-    each peer's first round."""
-    return [s / (b / 2 * 8 / (mbit * 1e6)) for rounds in by_peer for s, b in rounds[int(skip_first) :]]
+    """Each round's seconds over its payload's time on the link, from each peer's ``(seconds, wire_bytes)``
+    in order; ``skip_first`` leaves out each peer's first round."""
+    return [s / payload_s(b, mbit) for rounds in by_peer for s, b in rounds[int(skip_first) :]]
 
 
 def round_fit(points: list[tuple[float, float]]) -> dict | None:
@@ -194,7 +198,7 @@ def round_fit(points: list[tuple[float, float]]) -> dict | None:
 
 
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, links: LinkSampler) -> dict:
-    n, per_round, in_round, link, seconds, skipped, started, losses = args.peers, [], [], [], [], 0, 0, []
+    n, per_round, in_round, link, skipped, started, losses = args.peers, [], [], [], 0, 0, []
     uses, startups, by_peer = [], [], []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
@@ -209,7 +213,6 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         if len(totals) >= 2:
             per_round.append((totals[-1] - totals[0]) / (len(totals) - 1))
         in_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
-        seconds += [(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes]
         by_peer.append([(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes])
         samples = links.samples(i + 1)
         for r in ordinary:
@@ -233,7 +236,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
                 losses.append(json.loads(line)["final_val_loss"])
     full = 2 * 2 * (n - 1) / n * model_bytes(cfg)
     bytes_per_round = statistics.mean(per_round) if per_round else float("nan")
-    points = [(b / 2 * 8 / (args.mbit * 1e6), s) for s, b in seconds]  # (payload's time, round's)
+    seconds = [round_ for rounds in by_peer for round_ in rounds]  # (round's seconds, its wire bytes)
+    points = [(payload_s(b, args.mbit), s) for s, b in seconds]  # (payload's time, round's)
     link_s = link_ratios(by_peer, args.mbit)
     later_s = link_ratios(by_peer, args.mbit, skip_first=True)
     return {
