@@ -137,7 +137,7 @@ class HivemindGroup:
         self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
         self._fill(tensors)
         # commands reach the averager's process in order: the size is set before the step looks for a group
-        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
+        self._expect(expected)
         return self.averager.step(
             gather=gather,
             weight=1.0,
@@ -153,7 +153,7 @@ class HivemindGroup:
         # hivemind's own early matchmaking: the group forms now and its all-reduce waits for the trigger;
         # the buffers keep serving our last result until then
         gather = self._gather(info)
-        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
+        self._expect(expected)
         return self.averager.step(
             gather=gather,
             weight=1.0,
@@ -172,6 +172,10 @@ class HivemindGroup:
 
     def cancel(self, handle: StepControl) -> None:
         handle.cancel()
+
+    def _expect(self, expected: int | None) -> None:
+        # below two members (our view sees nobody else) no size is set: the group forms with whoever comes
+        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
 
     def _gather(self, info: dict[str, Any]) -> bytes:
         if self.swarm_key is not None:
