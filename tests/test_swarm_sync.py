@@ -257,10 +257,9 @@ def test_a_sync_point_reached_with_a_round_in_flight_is_taken_late_when_that_rou
     sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0)
     net = LocalNetwork(matchmaking_s=1.6, faults=[Fault("delay", peer="b", round=1, seconds=2.1)])
     peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
-    # start a little after a slot begins, past half the matchmaking window (a first step before that joins
-    # the slot's round): a round in the peers' first steps came before they saw each other (one alone, the
-    # other's delayed round 1 with no group: 2 failures in 11 runs, and once on a clean clone at +0.05 s)
-    time.sleep(sync.sync_every_s - time.time() % sync.sync_every_s + sync.matchmaking_s / 2 + 0.05)
+    # start just after a slot begins: a slot that began in the peers' first steps made a round before they
+    # saw each other (one alone, the other's delayed round 1 with no group: 2 failures in 11 runs)
+    time.sleep(sync.sync_every_s - time.time() % sync.sync_every_s + 0.05)
     out = _run(peers, steps=75, step_s={"a": 0.1, "b": 0.1})
     for me in "ab":
         rounds = [rec for rec in out[me] if not rec.last]
