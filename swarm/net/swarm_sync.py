@@ -155,19 +155,12 @@ class SwarmSync:
 
     def _sync_point(self, step: int) -> bool:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
-        clock. Our first step is one only in a slot that began under half a matchmaking window ago, whose
-        groups still look for members (peers that start together a second apart otherwise met a slot
-        apart: on H100 peers three rounded without the fourth, whose int8 reference then differed from
-        theirs and cost all four their next dense round)."""
+        clock (not at once after joining: the first slot seen only sets where we are)."""
         if self.sc.sync_every_s <= 0:
             self._point = step // self.sc.sync_every
             return step % self.sc.sync_every == 0
-        now = time.time()
-        slot = int(now // self.sc.sync_every_s)
-        if self._slot is None:
-            due = now - slot * self.sc.sync_every_s < self.timing.matchmaking_s / 2
-        else:
-            due = slot > self._slot
+        slot = int(time.time() // self.sc.sync_every_s)
+        due = self._slot is not None and slot > self._slot
         self._slot = self._point = slot
         return due
 
