@@ -327,3 +327,48 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
     finally:
         for _, s in peers.values():
             s.close()
+
+
+def _start_apart(peers: dict, first_at: dict[str, float], steps: int = 30) -> dict:
+    """Each peer's training begins at its wall time in ``first_at`` (its first step at once)."""
+    out, threads = {}, []
+    for i, (me, (model, sync)) in enumerate(peers.items()):
+
+        def train(me=me, model=model, sync=sync, seed=i):
+            time.sleep(max(0.0, first_at[me] - time.time()))
+            _train(model, sync, steps, seed, out, me, 0.1)
+
+        threads.append(threading.Thread(target=train))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for _, sync in peers.values():
+        sync.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("a_at", "b_at", "first_step"),
+    [
+        # a stepped before the slot began, so it rounds in it: b's first step, early in it, joins that round
+        (-0.5, 0.2, {"a": 6, "b": 1}),
+        # nobody stepped before the slot: a's first step in it would make a round alone (and it would look
+        # for members into the next slot's meeting); both first round at the next slot
+        (0.1, 0.3, {"a": 20, "b": 18}),
+    ],
+)
+def test_a_first_step_early_in_a_slot_joins_its_round_when_a_partner_stepped_before_it_began(
+    a_at, b_at, first_step
+):
+    """Peers that start together a second apart round a slot apart otherwise (on H100 peers, the one that
+    missed the others' first round then had another int8 reference, and all lost their next dense round)."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0)
+    net = LocalNetwork(matchmaking_s=1.6)
+    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    slot = (time.time() // 2.0 + 1) * 2.0
+    slot += 2.0 if slot - time.time() < 1.0 else 0.0
+    out = _start_apart(peers, {"a": slot + a_at, "b": slot + b_at})
+    for me in "ab":
+        first = next(rec for rec in out[me] if rec.started)
+        assert first.step == first_step[me] and first.clean and first.dense_group == 2, (me, out[me])

@@ -152,14 +152,21 @@ class Membership:
         publish_heartbeat(self.store, self.run_id, self.me, hb, ttl_s=t.record_ttl_s, timeout=t.heartbeat_s)
 
     def report_step(self, step: int, tokens: int, loss: float, step_tokens: int) -> None:
+        """Our first step is published at once, with its time: peers that start just after us tell by it
+        whether we round in their first slot (``SwarmSync._others_round_in``)."""
         now = time.monotonic()
+        first = self._hb.first_step_at is None
+        at = self.store.now() if first else None
         with self._lock:
             hb, last = self._hb, self._last_step_time
+            hb.first_step_at = hb.first_step_at or at
             if last is not None and now > last:  # smoothed tokens/s
                 rate = step_tokens / (now - last)
                 hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
             hb.step, hb.tokens, hb.loss = step, tokens, loss
             self._last_step_time = now
+        if first:
+            self._publish()
 
     def record_round(self, rec: RoundRecord) -> None:
         with self._lock:

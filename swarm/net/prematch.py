@@ -76,7 +76,7 @@ class Prematch:
             info = RoundInfo(step, index, False, ws, reference, ctx.sync.aggregation, ctx.sync.digests)
             try:
                 handle = group.prematch(
-                    info.to_msg(), scheduled, ctx.timing.ordinary_matchmaking_s,
+                    info.to_msg(), scheduled, ctx.timing.matchmaking_left(slot, scheduled),
                     expected_members(spec, view, ctx.me),
                 )  # fmt: skip
             except Exception:

@@ -49,6 +49,7 @@ class Heartbeat:
     rounds_failed: int = 0
     period_s: float = 0.0  # how often this peer publishes (readers call it stale after two missed periods)
     sent_at: float | None = None  # DHT time of publication, set by publish_heartbeat
+    first_step_at: float | None = None  # DHT time of this process's first training step
     addrs: list[str] = field(default_factory=list)  # multiaddrs others may join the swarm through
 
     def to_value(self) -> dict[str, Any]:
@@ -76,7 +77,7 @@ class Heartbeat:
             and all(finite_number(fields.get(k, 0.0), low=0.0) for k in ("tokens_per_s", "period_s"))
             and all(
                 fields.get(k) is None or finite_number(fields[k])
-                for k in ("loss", "last_round_time", "sent_at")
+                for k in ("loss", "last_round_time", "sent_at", "first_step_at")
             )
             and fields.get("state", "joining") in STATES
             and _addresses(fields.get("addrs", []))

@@ -80,6 +80,8 @@ class RoundPlan:
     copy_steps: Mapping[int, int] = field(default_factory=dict)  # the step of each non-local copy we hold
     # group name -> its members met before the slot (``swarm.net.prematch``): triggered, not started
     prematched: Mapping[str, Prematched] = field(default_factory=dict)
+    # an ordinary round's wall-clock slot (``sync.sync_every_s``), whose end bounds its matchmaking
+    slot: int | None = None
 
 
 @dataclass
@@ -152,6 +154,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     lagged = ctx.sync.lagged_refresh and not plan.last
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
+    look_s = wait + timing.matchmaking_left(plan.slot, time.time())  # for groups that meet now
 
     fetch, started, all_started, groups_done = None, [], threading.Event(), threading.Event()
     # after a last round, copies are fetched once the holders have settled them (last_round)
@@ -165,7 +168,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             def have_members() -> bool:  # read only once the loop below has started every group
                 return all_started.is_set() and all(g.formed(h[0]) for _, g, h in started if h is not None)
 
-            gate = Gate(have_members, not_after=time.monotonic() + wait + timing.ordinary_matchmaking_s)
+            gate = Gate(have_members, not_after=time.monotonic() + look_s)
         fetch = RoundDownloads.start(
             ctx.downloads,
             holders,
@@ -205,10 +208,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             else:  # met early against another reference (another thread forgot ours): start as usual
                 if early is not None:
                     leave(group, early)
-                mm = wait + timing.ordinary_matchmaking_s
-                handle = group.start(
-                    payload.tensors, info.to_msg(), mm, plan.scheduled, expected_members(spec, view, ctx.me)
-                )
+                expected = expected_members(spec, view, ctx.me)
+                handle = group.start(payload.tensors, info.to_msg(), look_s, plan.scheduled, expected)
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             if early is not None:
                 leave(group, early)

@@ -155,14 +155,29 @@ class SwarmSync:
 
     def _sync_point(self, step: int) -> bool:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
-        clock (not at once after joining: the first slot seen only sets where we are)."""
+        clock. Our first step only sets where we are, unless the others already round in its slot
+        (``_others_round_in``)."""
         if self.sc.sync_every_s <= 0:
             self._point = step // self.sc.sync_every
             return step % self.sc.sync_every == 0
         slot = int(time.time() // self.sc.sync_every_s)
-        due = self._slot is not None and slot > self._slot
+        due = slot > self._slot if self._slot is not None else self._others_round_in(slot)
         self._slot = self._point = slot
         return due
+
+    def _others_round_in(self, slot: int) -> bool:
+        """At our first step: whether its slot began under half a matchmaking window ago and a partner had
+        stepped before it began (so that partner rounds in it, and its groups still look for members).
+        Peers that start together a second apart otherwise round a slot apart: on H100 peers three rounded
+        without the fourth, whose int8 reference then differed from theirs and cost all four their next
+        dense round. Without a partner that stepped before, we would round alone: in a demo, the first
+        peer to start did, and its round joined the groups the others met for the next slot."""
+        began = slot * self.sc.sync_every_s
+        if time.time() - began >= self.timing.matchmaking_s / 2:
+            return False
+        self.members.refresh()  # once: the heartbeats of the last moments decide
+        view = self.members.view
+        return any((view.peers[p].first_step_at or began) < began for p in view.partners(self.ctx.me))
 
     def _near_last_round(self, report: StepReport, met_early: bool = False) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
@@ -224,6 +239,8 @@ class SwarmSync:
         ):
             early.cancel()
             early = None
+        # an ordinary wall-clock round's slot: that of its early meeting (at our last step, the next one)
+        slot = None if scheduled is not None else early.slot if early is not None else self._slot
         if early is not None:  # its weights counted the tokens until it met: the rest count next time
             weights, groups = dict(early.weights), list(early.groups)
             self._tokens -= early.counted[0]
@@ -248,6 +265,7 @@ class SwarmSync:
             refresh=self._point % self.sc.refresh_every == 0,
             copy_steps=dict(self.copy_steps),
             prematched=early.handles if early is not None else {},
+            slot=slot,
         )
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
         self._in_flight_until = time.monotonic() + wait + self.timing.join_round_s

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from swarm.config import SyncConfig
 
+MIN_LOOK_S = 0.1  # a round begun too late in its slot to meet anyone fails at once instead
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -22,6 +24,8 @@ class Timing:
     # how late a member of a group met before the slot (``sync.prematch_s``) may begin its all-reduce and
     # still be waited for: in a group met at the slot, one that late would have missed the matchmaking window
     late_s: float = 0.0
+    slot_s: float = 0.0  # ``sync.sync_every_s``: rounds on the wall clock (0: on steps)
+    meet_early_s: float = 0.0  # how long before its slot a round's groups meet (``prematch_window_s``)
 
     @classmethod
     def from_config(cls, sc: SyncConfig) -> Timing:
@@ -33,6 +37,8 @@ class Timing:
             request_s=min(3.0, sc.matchmaking_s / 2),
             final_agreement_s=min(10.0, sc.round_timeout_s / 3),
             late_s=sc.matchmaking_s if sc.prematch_window_s > 0 else 0.0,
+            slot_s=sc.sync_every_s,
+            meet_early_s=sc.prematch_window_s,
         )
 
     @property
@@ -44,6 +50,18 @@ class Timing:
     def ordinary_matchmaking_s(self) -> float:
         """How long an ordinary round's averaging step may look for a group."""
         return self.matchmaking_s + self.round_s / 4
+
+    def matchmaking_left(self, slot: int | None, now: float) -> float:
+        """How long, from wall time ``now``, an ordinary round of wall-clock slot ``slot`` (None: rounds on
+        steps), or a group met early for it, may look for members: ``ordinary_matchmaking_s``, but never
+        into the next slot's meeting. Every slot's groups have the same names, so a round still looking
+        then joins them: in a demo, a peer's first round, begun 2.6 s into a slot that the others had not
+        started, joined at 11.3 s the groups they had met for the next slot."""
+        if slot is None or self.slot_s <= 0:
+            return self.ordinary_matchmaking_s
+        # a margin for clocks that differ between peers, and for requests already under way at the end
+        next_meeting = (slot + 1) * self.slot_s - self.meet_early_s - min(1.0, self.slot_s / 10)
+        return max(MIN_LOOK_S, min(self.ordinary_matchmaking_s, next_meeting - now))
 
     @property
     def final_window_s(self) -> float:
