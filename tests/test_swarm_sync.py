@@ -286,12 +286,16 @@ def test_a_round_met_early_goes_on_at_its_slot_though_the_step_limit_came_near_m
 
     try:
         slot = (time.time() // 2.0 + 1) * 2.0
+        slot += 2.0 if slot - time.time() < 0.5 else 0.0
+        time.sleep(slot - time.time() - 0.3)
+        steps(1, {"a": 50, "b": 50})  # the slot before is only seen
         time.sleep(slot - time.time() + 0.05)
-        steps(1, {"a": 50, "b": 50})  # the first slot is only seen
+        steps(2, {"a": 50, "b": 50})  # the first round meets at its slot
+        _finished_rounds(peers)
         time.sleep(slot + 2.0 - time.time() - 0.3)
-        steps(2, {"a": 8, "b": 50})  # both meet the next slot's groups: a is 8 steps from its limit
+        steps(3, {"a": 8, "b": 50})  # both meet the next slot's groups: a is 8 steps from its limit
         time.sleep(slot + 2.0 - time.time() + 0.05)
-        assert steps(3, {"a": 2, "b": 50}) == {"a": [], "b": []}  # a is 2 steps from it now: goes on
+        assert steps(4, {"a": 2, "b": 50}) == {"a": [], "b": []}  # a is 2 steps from it now: goes on
         for me, rec in _finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
@@ -314,14 +318,18 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
 
     try:
         slot = (time.time() // 2.0 + 2) * 2.0
-        time.sleep(slot - time.time() - 2.0 + 0.3)
-        step("a", 1, 50), step("b", 1, 50)  # the slot before: only seen
+        slot += 2.0 if slot - time.time() < 2.5 else 0.0
+        time.sleep(slot - time.time() - 2.3)
+        step("a", 1, 50), step("b", 1, 50)  # two slots before: only seen
+        time.sleep(slot - time.time() - 2.0 + 0.05)
+        step("a", 2, 50), step("b", 2, 50)  # the first round meets at its slot
+        _finished_rounds(peers)
         time.sleep(slot - time.time() - 0.4)
-        step("a", 2, 50), step("b", 2, 50)  # both meet the next slot's groups
+        step("a", 3, 50), step("b", 3, 50)  # both meet the next slot's groups
         time.sleep(0.2)
-        assert step("a", 3, 0) == []  # a's last step, before the slot: its part goes on
+        assert step("a", 4, 0) == []  # a's last step, before the slot: its part goes on
         time.sleep(slot - time.time() + 0.05)
-        assert step("b", 3, 50) == []
+        assert step("b", 4, 50) == []
         for me, rec in _finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
@@ -362,8 +370,9 @@ def test_a_first_step_early_in_a_slot_joins_its_round_when_a_partner_stepped_bef
     a_at, b_at, first_step
 ):
     """Peers that start together a second apart round a slot apart otherwise (on H100 peers, the one that
-    missed the others' first round then had another int8 reference, and all lost their next dense round)."""
-    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0)
+    missed the others' first round then had another int8 reference, and all lost their next dense round).
+    Groups meet before later slots (``prematch_s``), not before a peer's first round."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0.5)
     net = LocalNetwork(matchmaking_s=1.6)
     peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     slot = (time.time() // 2.0 + 1) * 2.0

@@ -128,8 +128,12 @@ class SwarmSync:
 
     def _meet_early(self, model: MoETransformer, report: StepReport) -> None:
         """With ``sync.prematch_s``, meet the next slot's groups ``prematch_window_s`` before it, unless a round
-        is in flight (its result may change our references) or the last round is near."""
-        if self.sc.prematch_window_s <= 0 or self._slot is None or self._early:
+        is in flight (its result may change our references) or the last round is near. Our first round
+        meets at its slot: a group met early forms at the slot with whoever met it, and peers that start
+        just after (``_others_round_in``) can only join a group still looking then (in a demo, two peers
+        that met early and two that started 0.3 s into the slot made two pairs, which the robust rule
+        drops)."""
+        if self.sc.prematch_window_s <= 0 or self._slot is None or self._early or self.round_index == 0:
             return
         slot = self._slot + 1
         at = slot * self.sc.sync_every_s
