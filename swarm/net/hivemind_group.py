@@ -63,7 +63,7 @@ class HivemindGroup:
         serve_compression: CompressionBase | None = None,
         rule: AggregationRule | None = None,
     ) -> None:
-        self.name, self.serves_only = name, like is None
+        self.name, self.serves_only, self.matchmaking_time = name, like is None, matchmaking_time
         self.swarm_key, self.me = getattr(dht, "swarm_key", None), dht.peer_id.to_base58()
         with hivemind_child_signals():
             self.averager = ServingAverager(
@@ -134,6 +134,10 @@ class HivemindGroup:
         expected: int | None = None,
     ) -> StepControl:
         gather = self._gather(info)
+        if scheduled is None and matchmaking_s <= self.matchmaking_time:
+            # hivemind schedules a step its matchmaking time ahead and requires that within the timeout; a
+            # round late in its slot looks for less (``Timing.matchmaking_left``): it forms only if complete
+            scheduled = time.time() + 0.9 * matchmaking_s
         self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
         self._fill(tensors)
         # commands reach the averager's process in order: the size is set before the step looks for a group

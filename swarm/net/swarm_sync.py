@@ -244,7 +244,8 @@ class SwarmSync:
             early.cancel()
             early = None
         # an ordinary wall-clock round's slot: that of its early meeting (at our last step, the next one)
-        slot = None if scheduled is not None else early.slot if early is not None else self._slot
+        last = scheduled is not None or self.leaving
+        slot = None if last else early.slot if early is not None else self._slot
         if early is not None:  # its weights counted the tokens until it met: the rest count next time
             weights, groups = dict(early.weights), list(early.groups)
             self._tokens -= early.counted[0]
@@ -264,7 +265,7 @@ class SwarmSync:
             groups,
             sole,
             scheduled,
-            last=scheduled is not None or self.leaving,
+            last=last,
             alone=not self.members.view.partners(self.ctx.me),
             refresh=self._point % self.sc.refresh_every == 0,
             copy_steps=dict(self.copy_steps),
