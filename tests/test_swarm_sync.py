@@ -337,14 +337,15 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
             s.close()
 
 
-def _start_apart(peers: dict, first_at: dict[str, float], steps: int) -> dict:
+def _start_apart(peers: dict, first_at: dict[str, float], steps: int | dict[str, int]) -> dict:
     """Each peer's training begins at its wall time in ``first_at`` (its first step at once)."""
     out, threads = {}, []
     for i, (me, (model, sync)) in enumerate(peers.items()):
+        n = steps[me] if isinstance(steps, dict) else steps
 
-        def train(me=me, model=model, sync=sync, seed=i):
+        def train(me=me, model=model, sync=sync, seed=i, n=n):
             time.sleep(max(0.0, first_at[me] - time.time()))
-            _train(model, sync, steps, seed, out, me, 0.1)
+            _train(model, sync, n, seed, out, me, 0.1)
 
         threads.append(threading.Thread(target=train))
     for t in threads:
@@ -382,3 +383,26 @@ def test_a_first_step_early_in_a_slot_joins_its_round_when_a_partner_stepped_bef
         first = next(rec for rec in out[me] if rec.started)
         assert first.clean and first.dense_group == 2, (me, out[me])
         assert int(first.started_at // 2.0) == int(slot // 2.0) + first_slot, (me, first.started_at - slot)
+
+
+def test_a_joiner_meets_its_first_rounds_groups_before_the_slot_as_a_swarm_that_has_rounded_does():
+    """Groups met before the slot form at it with whoever met them: a joiner whose first round met at the
+    slot would find the others' groups formed. A swarm's first round meets at its slot (the test above)."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {"a": _peer(net, "a", [0, 2], seed=0, sync=sync)}
+    slot = (time.time() // 2.0 + 2) * 2.0  # a rounds alone at slot - 2, then meets b for this slot's round
+    out = {}
+    a = threading.Thread(target=_train, args=(*peers["a"], 50, 0, out, "a", 0.1))
+    time.sleep(max(0.0, slot - 3.9 - time.time()))
+    a.start()
+    time.sleep(max(0.0, slot - 0.8 - time.time()))
+    peers["b"] = _peer(net, "b", [1, 3], seed=1, sync=sync)  # joins: a sees it from its first heartbeat
+    time.sleep(max(0.0, slot - 0.3 - time.time()))
+    _train(*peers["b"], 15, 1, out, "b", 0.1)
+    a.join(timeout=60)
+    for _, s in peers.values():
+        s.close()
+    first = next(rec for rec in out["b"] if rec.started)
+    assert int(first.started_at // 2.0) == int(slot // 2.0), first.started_at - slot
+    assert first.met_early == ["dense"] and first.clean and first.dense_group == 2, out["b"]

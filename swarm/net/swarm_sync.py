@@ -24,6 +24,7 @@ from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.copy_server import CopyServer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, side_stream, snapshot
+from swarm.net.first_round import first_step_joins, partners_rounded
 from swarm.net.group_layout import DENSE, expert_item, layout
 from swarm.net.membership import Membership
 from swarm.net.prematch import Prematch
@@ -128,12 +129,12 @@ class SwarmSync:
 
     def _meet_early(self, model: MoETransformer, report: StepReport) -> None:
         """With ``sync.prematch_s``, meet the next slot's groups ``prematch_window_s`` before it, unless a round
-        is in flight (its result may change our references) or the last round is near. Our first round
-        meets at its slot: a group met early forms at the slot with whoever met it, and peers that start
-        just after (``_others_round_in``) can only join a group still looking then (in a demo, two peers
-        that met early and two that started 0.3 s into the slot made two pairs, which the robust rule
-        drops)."""
-        if self.sc.prematch_window_s <= 0 or self._slot is None or self._early or self.round_index == 0:
+        is in flight (its result may change our references) or the last round is near. A swarm's first
+        round meets at its slot (``first_round``): in a demo, two peers that met it early and two that
+        started 0.3 s into the slot made two pairs, which the robust rule drops."""
+        if self.sc.prematch_window_s <= 0 or self._slot is None or self._early:
+            return
+        if self.round_index == 0 and not partners_rounded(self.members.view, self.ctx.me):
             return
         slot = self._slot + 1
         at = slot * self.sc.sync_every_s
@@ -159,8 +160,8 @@ class SwarmSync:
 
     def _sync_point(self, step: int) -> bool:
         """Every ``sync_every`` steps, or with ``sync_every_s`` at the first step in a new slot of the wall
-        clock. Our first step only sets where we are, unless the others already round in its slot
-        (``_others_round_in``)."""
+        clock. Our first step only sets where we are, unless it comes early in a slot whose round the others
+        take (``first_round``)."""
         if self.sc.sync_every_s <= 0:
             self._point = step // self.sc.sync_every
             return step % self.sc.sync_every == 0
@@ -170,18 +171,11 @@ class SwarmSync:
         return due
 
     def _others_round_in(self, slot: int) -> bool:
-        """At our first step: whether its slot began under half a matchmaking window ago and a partner had
-        stepped before it began (so that partner rounds in it, and its groups still look for members).
-        Peers that start together a second apart otherwise round a slot apart: on H100 peers three rounded
-        without the fourth, whose int8 reference then differed from theirs and cost all four their next
-        dense round. Without a partner that stepped before, we would round alone: in a demo, the first
-        peer to start did, and its round joined the groups the others met for the next slot."""
         began = slot * self.sc.sync_every_s
-        if time.time() - began >= self.timing.matchmaking_s / 2:
+        if time.time() - began >= self.timing.matchmaking_s / 2:  # their groups stop looking soon
             return False
         self.members.refresh()  # once: the heartbeats of the last moments decide
-        view = self.members.view
-        return any((view.peers[p].first_step_at or began) < began for p in view.partners(self.ctx.me))
+        return first_step_joins(self.members.view, self.ctx.me, began, self.sc.prematch_window_s > 0)
 
     def _near_last_round(self, report: StepReport, met_early: bool = False) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
