@@ -48,3 +48,33 @@ def test_a_group_met_before_its_slot_averages_exactly_the_tensors_written_at_the
         close_groups(groups)
         for d in reversed(dhts):
             d.shutdown()
+
+
+def test_a_round_that_stops_looking_before_the_next_slots_meeting_is_not_taken_into_those_groups():
+    """Every slot's groups have the same name: a round still looking when the others meet for the next slot
+    is taken into their group (its payload in the next slot's average: so it went with a 15 s window here).
+    ``Timing.matchmaking_left`` ends its window before then; a window shorter than the averager's
+    matchmaking time (3 s here) is also one hivemind takes."""
+    first = start_dht()
+    dhts = [first, start_dht(visible_maddrs(first)), start_dht(visible_maddrs(first))]
+    groups = [HivemindTransport(d, TIMING).open("t_cross", [torch.zeros(100)]) for d in dhts]
+    try:
+        late = groups[0].start([torch.zeros(100)], {"i": 0}, 1.5, None, expected=3)  # nobody else in it
+        time.sleep(2.5)
+        slot = time.time() + 2.0
+        early = [
+            g.prematch({"i": i}, slot, TIMING.matchmaking_s, expected=3) for i, g in enumerate(groups[1:], 1)
+        ]
+        time.sleep(max(0.0, slot - time.time()))
+        for i, (g, h) in enumerate(zip(groups[1:], early, strict=True), 1):
+            g.trigger(h, [torch.full((100,), float(i))])
+        alone = groups[0].outcome(late, timeout=20)
+        assert not alone.ok, alone.members
+        for g, h in zip(groups[1:], early, strict=True):
+            out = g.outcome(h, timeout=20)
+            assert out.ok and sorted(v["i"] for v in out.members.values()) == [1, 2], out.reason
+            assert torch.equal(out.tensors[0], torch.full((100,), 1.5))
+    finally:
+        close_groups(groups)
+        for d in reversed(dhts):
+            d.shutdown()
