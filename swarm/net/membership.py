@@ -153,7 +153,7 @@ class Membership:
 
     def report_step(self, step: int, tokens: int, loss: float, step_tokens: int) -> None:
         """Our first step is published at once, with its time: peers that start just after us tell by it
-        whether we round in their first slot (``SwarmSync._others_round_in``)."""
+        whether we round in their first slot (``swarm.net.first_round``)."""
         now = time.monotonic()
         first = self._hb.first_step_at is None
         at = self.store.now() if first else None
