@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.config import RunConfig, SyncConfig
+from swarm.net.dense_reference import catch_up_reference, take_reference
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
@@ -37,21 +38,19 @@ from swarm.net.group_layout import (
     expected_members,
     expert_item,
     pack,
-    served_dense,
 )
 from swarm.net.membership import MembershipView
 from swarm.net.prematch import Prematched, leave
 from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.round_downloads import Gate, RoundDownloads
-from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo, common_reference
+from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo
 from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads
 from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
 from swarm.net.transport import DigestExchange, Group, GroupOutcome, GroupTransport, Store
-from swarm.sync import RejectedTensor, check_tensors
 from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
 
@@ -252,6 +251,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         phases.end("matchmaking", at=formed[0])
     phases.end("allreduce" if formed else "groups", at=outcomes_in)
     averaged: dict[str, list[torch.Tensor]] = {}
+    behind = None  # (the dense group, its entry in rec.rejected) after a partial round of ours
     for spec, group, payload, outcome, size, why, published in checked:
         got, was_started = None, payload is not None
         if published is not None:
@@ -260,8 +260,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             )
         if got is None:
             if why == REFERENCES_DIFFER and spec.items == (DENSE,) and not ctx.payloads.reference_id(spec):
-                source = _take_reference(spec, outcome, ctx, plan.dense, deadline)
+                source = take_reference(spec, outcome, ctx, plan.dense, deadline)
                 why += f"; took the agreed one from {source[-8:]}" if source else "; none to take"
+            elif "partial" in why and spec.items == (DENSE,) and not (codec.lossless or plan.last):
+                behind = (spec, len(rec.rejected))  # the others may have applied it: once we serve, ask
             if was_started:  # one that could not start said why already; a lone dense group only serves
                 rec.rejected.append(f"{_label(spec)}: {why}")
         else:
@@ -289,6 +291,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             elif plan.refresh:
                 ctx.server.update(copies, plan.step, final=False)
         add_time(rec.check_seconds, "serve", serving_from)
+    if behind is not None:
+        spec, entry = behind
+        source = catch_up_reference(spec, ctx, view, plan.dense, deadline)
+        rec.rejected[entry] += f"; took the agreed reference from {source[-8:]}" if source else ""
     phases.end("checks")
     groups_done.set()
     if DENSE in averaged:
@@ -325,31 +331,6 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
     rec.sync_seconds = round(time.monotonic() - t0, 3)
     return result
-
-
-def _take_reference(
-    spec: GroupSpec, outcome: GroupOutcome, ctx: RoundContext, like: list[torch.Tensor], deadline: float
-) -> str:
-    """After a round whose members' references differed: the dense reference most of them had, from one
-    that serves it, as ours. Returns the member it came from, or "" if none served it in time."""
-    infos = {p: RoundInfo.from_msg(v, 1) for p, v in outcome.members.items()}
-    common = common_reference([i for i in infos.values() if i is not None])
-    peers = sorted(p for p, i in infos.items() if i is not None and i.reference == common and p != ctx.me)
-    end = min(deadline, time.monotonic() + ctx.timing.download_s)
-    while common and peers and time.monotonic() < end:
-        for peer in peers:  # each serves it once it is past this round's outcome too
-            served = ctx.downloads.transport.fetch(peer, spec.name, max(0.5, end - time.monotonic()))
-            if served is None or served.meta.get("ref") != common:
-                continue
-            dense = served_dense(spec, served.meta, served.tensors, len(like))
-            try:
-                check_tensors(DENSE, dense or [], like, ctx.sync.max_rel_distance)
-            except RejectedTensor:
-                continue
-            ctx.payloads.adopt(spec, common, {DENSE: dense})
-            return peer
-        time.sleep(0.5)
-    return ""
 
 
 def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: MembershipView) -> bool:
