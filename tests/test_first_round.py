@@ -1,11 +1,19 @@
-"""``first_round``: in which slot a peer's first round on the wall clock falls, and whether it meets early."""
+"""``first_round``: in which slot a peer's first round on the wall clock falls, and whether it meets early:
+the rule on views, then peers of ``SwarmSync`` on the in-memory network (``sync_peers``)."""
+
+import dataclasses
+import threading
+import time
 
 import pytest
+from sync_peers import SYNC, peer, run, train
 
 from swarm.net.first_round import first_step_joins, partners_rounded
+from swarm.net.local_transport import LocalNetwork
 from swarm.net.membership import MembershipView
 from swarm.net.records import Heartbeat
 
+pytestmark = pytest.mark.timeout(90)
 BEGAN = 1_800_000_000.0  # the slot our first step falls in began then
 
 
@@ -37,3 +45,54 @@ def test_a_swarm_that_has_rounded_meets_before_the_slot_so_a_first_step_in_it_wa
     assert not first_step_joins(_view(other=rounded), "me", BEGAN, prematch=True)  # formed at the slot
     assert first_step_joins(_view(other=rounded), "me", BEGAN, prematch=False)  # met at it: still looking
     assert not partners_rounded(_view(me=_beat(experts=[0], last_round=3)), "me")  # ours does not count
+
+
+@pytest.mark.parametrize(
+    ("a_at", "b_at", "first_slot", "steps"),
+    [
+        # a stepped before the slot began, so it rounds in it: b's first step, early in it, joins that round
+        (-0.5, 0.2, 0, 12),
+        # nobody stepped before the slot: a's first step in it would make a round alone (and it would look
+        # for members into the next slot's meeting); both first round at the next slot
+        (0.1, 0.3, 1, 28),
+    ],
+)
+def test_a_first_step_early_in_a_slot_joins_its_round_when_a_partner_stepped_before_it_began(
+    a_at, b_at, first_slot, steps
+):
+    """Peers that start together a second apart round a slot apart otherwise (on H100 peers, the one that
+    missed the others' first round then had another int8 reference, and all lost their next dense round).
+    Groups meet before later slots (``prematch_s``), not before a peer's first round."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0.5)
+    net = LocalNetwork(matchmaking_s=1.6)
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    slot = (time.time() // 2.0 + 1) * 2.0
+    slot += 2.0 if slot - time.time() < 1.0 else 0.0
+    out = run(peers, steps, {"a": 0.1, "b": 0.1}, {"a": slot + a_at, "b": slot + b_at})
+    for me in "ab":
+        first = next(rec for rec in out[me] if rec.started)
+        assert first.clean and first.dense_group == 2, (me, out[me])
+        assert int(first.started_at // 2.0) == int(slot // 2.0) + first_slot, (me, first.started_at - slot)
+
+
+def test_a_joiner_meets_its_first_rounds_groups_before_the_slot_as_a_swarm_that_has_rounded_does():
+    """Groups met before the slot form at it with whoever met them: a joiner whose first round met at the
+    slot would find the others' groups formed. A swarm's first round meets at its slot (the test above)."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {"a": peer(net, "a", [0, 2], seed=0, sync=sync)}
+    slot = (time.time() // 2.0 + 2) * 2.0  # a rounds alone at slot - 2, then meets b for this slot's round
+    out = {}
+    a = threading.Thread(target=train, args=(*peers["a"], 50, 0, out, "a", 0.1))
+    time.sleep(max(0.0, slot - 3.9 - time.time()))
+    a.start()
+    time.sleep(max(0.0, slot - 0.8 - time.time()))
+    peers["b"] = peer(net, "b", [1, 3], seed=1, sync=sync)  # joins: a sees it from its first heartbeat
+    time.sleep(max(0.0, slot - 0.3 - time.time()))
+    train(*peers["b"], 15, 1, out, "b", 0.1)
+    a.join(timeout=60)
+    for _, s in peers.values():
+        s.close()
+    first = next(rec for rec in out["b"] if rec.started)
+    assert int(first.started_at // 2.0) == int(slot // 2.0), first.started_at - slot
+    assert first.met_early == ["dense"] and first.clean and first.dense_group == 2, out["b"]

@@ -2,90 +2,21 @@
 agreement, on the in-memory network (no sockets; seconds)."""
 
 import dataclasses
-import threading
 import time
 
 import pytest
 import torch
+from sync_peers import MODEL, SYNC, finished_rounds, peer, run
 
-from swarm.config import ModelConfig, RunConfig, SyncConfig
-from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors
 from swarm.net.group_layout import DENSE, GroupSpec, served_dense
 from swarm.net.local_transport import Fault, LocalNetwork
-from swarm.net.membership import Membership
 from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.round_info import REFERENCES_DIFFER
-from swarm.net.swarm_sync import SwarmSync
-from swarm.net.timing import Timing
 from swarm.sync.codecs import codec_named
 from swarm.train.sync_hook import StepReport
 
 pytestmark = pytest.mark.timeout(90)
-
-MODEL = ModelConfig(
-    vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_experts=4, expert_hidden=8, max_seq_len=256
-)
-SYNC = SyncConfig(
-    sync_every=5, matchmaking_s=0.3, round_timeout_s=4.0, heartbeat_s=0.2, download_timeout_s=1.0
-)
-
-
-def _peer(net: LocalNetwork, me: str, experts: list[int], seed: int, sync: SyncConfig = SYNC):
-    cfg = RunConfig(run_id="t", model=MODEL, sync=sync)
-    model = MoETransformer(MODEL, experts)
-    model.init_weights(0)  # the same initialisation on every peer, then some training of each peer's own
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
-    timing = Timing.from_config(SYNC)
-    members = Membership(net.store(me), me, "t", timing, experts, MODEL.n_experts, SYNC.orphan_grace_s)
-    return model, SwarmSync(cfg, net.store(me), net.transport(me), model, members)
-
-
-def _train(
-    model: MoETransformer, sync: SwarmSync, steps: int, seed: int, out: dict, me: str, step_s: float = 0.15
-) -> None:
-    """Stand-in for training: each step moves the local weights a little, then calls the hook."""
-    gen = torch.Generator().manual_seed(seed)
-    records = []
-    with torch.no_grad():
-        for step in range(1, steps + 1):
-            for p in model.parameters():
-                p.add_(1e-3 * torch.randn(p.shape, generator=gen))
-            tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
-            tokens[model.local_experts] = 64
-            report = StepReport(step, 64 * step, 64, tokens, 1.0, last=step == steps, steps_left=steps - step)
-            records += sync.after_step(model, report).records
-            threading.Event().wait(step_s)  # a step takes time: the round runs meanwhile
-        records += sync.last_round(
-            model, StepReport(steps, 64 * steps, 0, torch.zeros(4, dtype=torch.long), 0.0)
-        )
-    out[me] = records
-
-
-def _finished_rounds(peers: dict) -> dict:
-    """Each peer's one round, once it has ended (the tests that drive ``after_step`` by hand)."""
-    out = {}
-    for me, (model, sync) in peers.items():
-        sync.wait_for_round()
-        (out[me],) = sync.apply_finished(model)
-    return out
-
-
-def _run(peers: dict, steps: int | dict = 30, step_s: dict | None = None) -> dict:
-    out, threads = {}, []
-    for i, (me, (model, sync)) in enumerate(peers.items()):
-        n, dt = steps[me] if isinstance(steps, dict) else steps, (step_s or {}).get(me, 0.15)
-        threads.append(threading.Thread(target=_train, args=(model, sync, n, i, out, me, dt)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    for _, sync in peers.values():
-        sync.close()
-    return out
 
 
 @pytest.mark.parametrize("r", [2, 4])
@@ -93,8 +24,8 @@ def test_replicas_agree_after_the_last_round(r):
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
     ids = ["a", "b", "c", "d"]
     experts = {me: [e for e in range(4) if (e - i) % (4 // r) == 0] for i, me in enumerate(ids)}
-    peers = {me: _peer(net, me, experts[me], seed=i) for i, me in enumerate(ids)}
-    out = _run(peers)
+    peers = {me: peer(net, me, experts[me], seed=i) for i, me in enumerate(ids)}
+    out = run(peers)
     for me in ids:
         started = [rec for rec in out[me] if rec.started]
         clean = [rec for rec in started if rec.clean]
@@ -136,8 +67,8 @@ def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_r
     sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
     experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    peers = {me: _peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = _run(peers, steps=36)
+    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
+    out = run(peers, steps=36)
     for me in experts:
         started = [rec for rec in out[me] if rec.started]
         assert sum(rec.clean for rec in started) >= 2, [(rec.step, rec.rejected) for rec in started]
@@ -169,8 +100,8 @@ def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_aft
     sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, prematch_s=0.4)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
     experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    peers = {me: _peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = _run(peers, steps=36)
+    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
+    out = run(peers, steps=36)
     for me in experts:
         ordinary = [rec for rec in out[me] if rec.started and not rec.last]
         early = [rec for rec in ordinary if "dense" in rec.met_early]
@@ -191,9 +122,9 @@ def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apar
     # groups met at the slot: one met early goes on within sync_every steps of the end (tested below)
     sync = dataclasses.replace(SYNC, sync_every_s=1.0, prematch_s=0)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
-    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     # a takes 2.5 steps for each of b's: with sync_every (5) steps they would rarely be in a round together
-    out = _run(peers, steps={"a": 60, "b": 24}, step_s={"a": 0.08, "b": 0.2})
+    out = run(peers, steps={"a": 60, "b": 24}, step_s={"a": 0.08, "b": 0.2})
     ordinary = {me: [rec for rec in out[me] if rec.started and not rec.last] for me in "ab"}
     met = {me: [rec for rec in ordinary[me] if rec.clean and rec.dense_group == 2] for me in "ab"}
     assert len(met["a"]) == len(met["b"]) >= 3, ordinary
@@ -208,8 +139,8 @@ def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
     net = LocalNetwork(
         matchmaking_s=SYNC.matchmaking_s, faults=[Fault("delay", peer="b", round=1, seconds=60.0)]
     )
-    peers = {me: _peer(net, me, [i, i + 2], seed=i) for i, me in enumerate(["a", "b"])}
-    out = _run(peers, steps=40)
+    peers = {me: peer(net, me, [i, i + 2], seed=i) for i, me in enumerate(["a", "b"])}
+    out = run(peers, steps=40)
     b = [rec for rec in out["b"] if rec.started]
     assert any("Timeout" in why for why in b[0].rejected) and b[0].sync_seconds <= SYNC.round_timeout_s + 1
     assert sum(rec.clean for rec in b[1:]) >= 2, [(rec.step, rec.rejected) for rec in b]
@@ -217,8 +148,8 @@ def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
 
 def test_a_peer_alone_waits_for_nobody_and_serves_its_dense_weights():
     net = LocalNetwork(matchmaking_s=2.0)  # a window it would have spent looking for a partner
-    peers = {"a": _peer(net, "a", [0, 1], seed=0)}
-    out = _run(peers, steps=10)
+    peers = {"a": peer(net, "a", [0, 1], seed=0)}
+    out = run(peers, steps=10)
     rounds = [rec for rec in out["a"] if rec.started]
     assert len(rounds) == 2 and rounds[-1].last, rounds
     for rec in rounds:  # nothing to average with: no group started, none failed, nothing waited
@@ -232,7 +163,7 @@ def test_a_peer_alone_serves_its_dense_weights_after_an_ordinary_round():
     net = LocalNetwork(matchmaking_s=2.0)
     joining = Heartbeat(experts=[], state="joining", period_s=SYNC.heartbeat_s)
     publish_heartbeat(net.store("j"), "t", "j", joining, ttl_s=60.0)
-    model, sync = _peer(net, "a", [0, 1], seed=0)
+    model, sync = peer(net, "a", [0, 1], seed=0)
     tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
     try:
         for step in range(1, SYNC.sync_every + 1):  # a round starts at the last of these steps
@@ -255,11 +186,11 @@ def test_a_sync_point_reached_with_a_round_in_flight_is_taken_late_when_that_rou
     # late for 0.8 s into a slot; groups met at the slot (met before it, the delay falls before the slot)
     sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0)
     net = LocalNetwork(matchmaking_s=1.6, faults=[Fault("delay", peer="b", round=1, seconds=2.1)])
-    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     # start just after a slot begins: a slot that began in the peers' first steps made a round before they
     # saw each other (one alone, the other's delayed round 1 with no group: 2 failures in 11 runs)
     time.sleep(sync.sync_every_s - time.time() % sync.sync_every_s + 0.05)
-    out = _run(peers, steps=75, step_s={"a": 0.1, "b": 0.1})
+    out = run(peers, steps=75, step_s={"a": 0.1, "b": 0.1})
     for me in "ab":
         rounds = [rec for rec in out[me] if not rec.last]
         assert not any(rec.reason == "previous round still in flight" for rec in rounds), rounds
@@ -277,7 +208,7 @@ def test_a_round_met_early_goes_on_at_its_slot_though_the_step_limit_came_near_m
     all-reduce)."""
     sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
-    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
 
     def steps(step: int, left: dict[str, int]) -> dict:
@@ -291,12 +222,12 @@ def test_a_round_met_early_goes_on_at_its_slot_though_the_step_limit_came_near_m
         steps(1, {"a": 50, "b": 50})  # the slot before is only seen
         time.sleep(slot - time.time() + 0.05)
         steps(2, {"a": 50, "b": 50})  # the first round meets at its slot
-        _finished_rounds(peers)
+        finished_rounds(peers)
         time.sleep(slot + 2.0 - time.time() - 0.3)
         steps(3, {"a": 8, "b": 50})  # both meet the next slot's groups: a is 8 steps from its limit
         time.sleep(slot + 2.0 - time.time() + 0.05)
         assert steps(4, {"a": 2, "b": 50}) == {"a": [], "b": []}  # a is 2 steps from it now: goes on
-        for me, rec in _finished_rounds(peers).items():
+        for me, rec in finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
         for _, s in peers.values():
@@ -308,7 +239,7 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
     on (triggered at once), so the members that met it are not left with a partial all-reduce."""
     sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
-    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
     tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
 
     def step(me: str, n: int, left: int) -> list:
@@ -323,86 +254,15 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
         step("a", 1, 50), step("b", 1, 50)  # two slots before: only seen
         time.sleep(slot - time.time() - 2.0 + 0.05)
         step("a", 2, 50), step("b", 2, 50)  # the first round meets at its slot
-        _finished_rounds(peers)
+        finished_rounds(peers)
         time.sleep(slot - time.time() - 0.4)
         step("a", 3, 50), step("b", 3, 50)  # both meet the next slot's groups
         time.sleep(0.2)
         assert step("a", 4, 0) == []  # a's last step, before the slot: its part goes on
         time.sleep(slot - time.time() + 0.05)
         assert step("b", 4, 50) == []
-        for me, rec in _finished_rounds(peers).items():
+        for me, rec in finished_rounds(peers).items():
             assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
         for _, s in peers.values():
             s.close()
-
-
-def _start_apart(peers: dict, first_at: dict[str, float], steps: int | dict[str, int]) -> dict:
-    """Each peer's training begins at its wall time in ``first_at`` (its first step at once)."""
-    out, threads = {}, []
-    for i, (me, (model, sync)) in enumerate(peers.items()):
-        n = steps[me] if isinstance(steps, dict) else steps
-
-        def train(me=me, model=model, sync=sync, seed=i, n=n):
-            time.sleep(max(0.0, first_at[me] - time.time()))
-            _train(model, sync, n, seed, out, me, 0.1)
-
-        threads.append(threading.Thread(target=train))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    for _, sync in peers.values():
-        sync.close()
-    return out
-
-
-@pytest.mark.parametrize(
-    ("a_at", "b_at", "first_slot", "steps"),
-    [
-        # a stepped before the slot began, so it rounds in it: b's first step, early in it, joins that round
-        (-0.5, 0.2, 0, 12),
-        # nobody stepped before the slot: a's first step in it would make a round alone (and it would look
-        # for members into the next slot's meeting); both first round at the next slot
-        (0.1, 0.3, 1, 28),
-    ],
-)
-def test_a_first_step_early_in_a_slot_joins_its_round_when_a_partner_stepped_before_it_began(
-    a_at, b_at, first_slot, steps
-):
-    """Peers that start together a second apart round a slot apart otherwise (on H100 peers, the one that
-    missed the others' first round then had another int8 reference, and all lost their next dense round).
-    Groups meet before later slots (``prematch_s``), not before a peer's first round."""
-    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.6, prematch_s=0.5)
-    net = LocalNetwork(matchmaking_s=1.6)
-    peers = {me: _peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
-    slot = (time.time() // 2.0 + 1) * 2.0
-    slot += 2.0 if slot - time.time() < 1.0 else 0.0
-    out = _start_apart(peers, {"a": slot + a_at, "b": slot + b_at}, steps)
-    for me in "ab":
-        first = next(rec for rec in out[me] if rec.started)
-        assert first.clean and first.dense_group == 2, (me, out[me])
-        assert int(first.started_at // 2.0) == int(slot // 2.0) + first_slot, (me, first.started_at - slot)
-
-
-def test_a_joiner_meets_its_first_rounds_groups_before_the_slot_as_a_swarm_that_has_rounded_does():
-    """Groups met before the slot form at it with whoever met them: a joiner whose first round met at the
-    slot would find the others' groups formed. A swarm's first round meets at its slot (the test above)."""
-    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
-    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
-    peers = {"a": _peer(net, "a", [0, 2], seed=0, sync=sync)}
-    slot = (time.time() // 2.0 + 2) * 2.0  # a rounds alone at slot - 2, then meets b for this slot's round
-    out = {}
-    a = threading.Thread(target=_train, args=(*peers["a"], 50, 0, out, "a", 0.1))
-    time.sleep(max(0.0, slot - 3.9 - time.time()))
-    a.start()
-    time.sleep(max(0.0, slot - 0.8 - time.time()))
-    peers["b"] = _peer(net, "b", [1, 3], seed=1, sync=sync)  # joins: a sees it from its first heartbeat
-    time.sleep(max(0.0, slot - 0.3 - time.time()))
-    _train(*peers["b"], 15, 1, out, "b", 0.1)
-    a.join(timeout=60)
-    for _, s in peers.values():
-        s.close()
-    first = next(rec for rec in out["b"] if rec.started)
-    assert int(first.started_at // 2.0) == int(slot // 2.0), first.started_at - slot
-    assert first.met_early == ["dense"] and first.clean and first.dense_group == 2, out["b"]
