@@ -171,11 +171,12 @@ class SwarmSync:
         return due
 
     def _others_round_in(self, slot: int) -> bool:
-        began = slot * self.sc.sync_every_s
-        if time.time() - began >= self.timing.matchmaking_s / 2:  # their groups stop looking soon
+        began, window = slot * self.sc.sync_every_s, self.timing.matchmaking_s / 2
+        if time.time() - began >= window:  # their groups stop looking soon
             return False
-        self.members.refresh()  # once: the heartbeats of the last moments decide
-        return first_step_joins(self.members.view, self.ctx.me, began, self.sc.prematch_window_s > 0)
+        self.members.refresh()  # once: the heartbeats of the last moments decide (a read may be slow)
+        view, prematch = self.members.view, self.sc.prematch_window_s > 0
+        return time.time() - began < window and first_step_joins(view, self.ctx.me, began, prematch)
 
     def _near_last_round(self, report: StepReport, met_early: bool = False) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
