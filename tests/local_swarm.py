@@ -38,21 +38,27 @@ def near_copy(base: list[torch.Tensor], seed: int, scale: float = 0.5) -> list[t
 class Swarm:
     """Peers on one ``LocalNetwork``, each with its own dense weights and copies of every expert."""
 
-    def __init__(self, experts: dict[str, list[int]], faults=(), sync: SyncConfig | None = None):
+    def __init__(
+        self,
+        experts: dict[str, list[int]],
+        faults=(),
+        sync: SyncConfig | None = None,
+        timing: Timing = TIMING,
+    ):
         self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0)
         codec = codec_named(self.sync.codec)
         rule = aggregation_rule(self.sync.aggregation, self.sync.clip_factor)
-        self.net = LocalNetwork(matchmaking_s=TIMING.matchmaking_s, faults=faults, codec=codec, rule=rule)
+        self.net = LocalNetwork(matchmaking_s=timing.matchmaking_s, faults=faults, codec=codec, rule=rule)
         self.ctx, self.dense, self.copies = {}, {}, {}
         for i, me in enumerate(experts):
             transport = self.net.transport(me)
             deltas = None if codec.lossless else transport.open_server("t_expert_deltas", codec)
             server = ExpertServer(transport.open_server("t_experts"), deltas, codec)
             downloads = ExpertDownloads(
-                transport, "t_experts", TIMING.download_s, 4.0, deltas and (deltas.name, codec)
+                transport, "t_experts", timing.download_s, 4.0, deltas and (deltas.name, codec)
             )
             self.ctx[me] = RoundContext(
-                "t", me, self.net.store(me), TIMING, self.sync, N_EXPERTS, OpenGroups(transport), server, downloads
+                "t", me, self.net.store(me), timing, self.sync, N_EXPERTS, OpenGroups(transport), server, downloads
             )  # fmt: skip
             self.dense[me] = [torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + i))]
             self.copies[me] = {e: near_copy(expert_copy(e), 1000 * i + e) for e in range(N_EXPERTS)}

@@ -1,10 +1,9 @@
 """``dense_reference``: with a lossy codec, a member whose dense reference is not the others' takes theirs."""
 
-from local_swarm import Swarm
-
 from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
 from swarm.net.round_info import REFERENCES_DIFFER
+from tests.local_swarm import Swarm
 
 
 def test_a_member_whose_round_was_partial_takes_the_agreed_reference_before_the_next_round():

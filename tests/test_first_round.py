@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from sync_peers import SYNC, peer, run, train
 
 from swarm.net.first_round import first_step_joins, partners_rounded
 from swarm.net.local_transport import LocalNetwork
 from swarm.net.membership import MembershipView
 from swarm.net.records import Heartbeat
+from tests.sync_peers import SYNC, peer, run, train
 
 pytestmark = pytest.mark.timeout(90)
 BEGAN = 1_800_000_000.0  # the slot our first step falls in began then

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from sync_peers import MODEL, SYNC, finished_rounds, peer, run
 
 from swarm.net.expert_tensors import dense_tensors, expert_tensors
 from swarm.net.group_layout import DENSE, GroupSpec, served_dense
@@ -15,6 +14,7 @@ from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.round_info import REFERENCES_DIFFER
 from swarm.sync.codecs import codec_named
 from swarm.train.sync_hook import StepReport
+from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run
 
 pytestmark = pytest.mark.timeout(90)
 
