@@ -30,4 +30,5 @@ def first_step_joins(view: MembershipView, me: str, slot_began: float, prematch:
     the others met for the next slot."""
     if prematch and partners_rounded(view, me):
         return False
-    return any((view.peers[p].first_step_at or slot_began) < slot_began for p in view.partners(me))
+    firsts = (view.peers[p].first_step_at for p in view.partners(me))
+    return any(at is not None and at < slot_began for at in firsts)

@@ -159,7 +159,8 @@ class Membership:
         at = self.store.now() if first else None
         with self._lock:
             hb, last = self._hb, self._last_step_time
-            hb.first_step_at = hb.first_step_at or at
+            if first:
+                hb.first_step_at = at
             if last is not None and now > last:  # smoothed tokens/s
                 rate = step_tokens / (now - last)
                 hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
