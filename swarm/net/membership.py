@@ -152,22 +152,23 @@ class Membership:
         publish_heartbeat(self.store, self.run_id, self.me, hb, ttl_s=t.record_ttl_s, timeout=t.heartbeat_s)
 
     def report_step(self, step: int, tokens: int, loss: float, step_tokens: int) -> None:
-        """Our first step is published at once, with its time: peers that start just after us tell by it
-        whether we round in their first slot (``swarm.net.first_round``)."""
+        """The time of our first step is published at once: peers that start just after us tell by it
+        whether we round in their first slot (``swarm.net.first_round``). That heartbeat still says step
+        0: a step above 0 tells a joiner that the swarm has trained and it must catch up (``peers.main``),
+        and published at once it made peers started a second apart catch up from each other."""
         now = time.monotonic()
-        first = self._hb.first_step_at is None
-        at = self.store.now() if first else None
+        if self._hb.first_step_at is None:
+            at = self.store.now()
+            with self._lock:
+                self._hb.first_step_at = at
+            self._publish()
         with self._lock:
             hb, last = self._hb, self._last_step_time
-            if first:
-                hb.first_step_at = at
             if last is not None and now > last:  # smoothed tokens/s
                 rate = step_tokens / (now - last)
                 hb.tokens_per_s = rate if hb.tokens_per_s == 0 else 0.9 * hb.tokens_per_s + 0.1 * rate
             hb.step, hb.tokens, hb.loss = step, tokens, loss
             self._last_step_time = now
-        if first:
-            self._publish()
 
     def record_round(self, rec: RoundRecord) -> None:
         with self._lock:
