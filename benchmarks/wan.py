@@ -29,6 +29,8 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   (``benchmarks/link_use.py``, medians): ``busy`` the share of the round that its busier direction's bytes
   need at ``--mbit``, ``head_s`` the seconds before that direction first ran at half the link's rate or
   more, ``tail_s`` those after it last did;
+  each peer's link timeline (wall time, bytes sent, bytes received, every 50 ms) is kept in its run
+  directory as ``link.jsonl``;
 - ``skipped_share``: sync points skipped because the previous round was still in flight;
 - ``val_loss``: the peers' validation loss after the run (mean).
 
@@ -215,6 +217,9 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         in_round += [r.wire_bytes for r in ordinary if r.wire_bytes is not None]
         by_peer.append([(r.sync_seconds, r.wire_bytes) for r in ordinary if r.wire_bytes])
         samples = links.samples(i + 1)
+        (run / f"peer{i}").mkdir(exist_ok=True)
+        with open(run / f"peer{i}" / "link.jsonl", "w") as f:  # the timeline, for reading rounds afterwards
+            f.writelines(json.dumps(s) + "\n" for s in samples)
         for r in ordinary:
             if r.started_at is not None:
                 uses.append(
