@@ -9,6 +9,8 @@ import torch
 
 from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
+from swarm.net.membership import MembershipView
+from swarm.net.records import Heartbeat
 from tests.local_swarm import TIMING, Swarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,12 +121,26 @@ def test_a_weight_not_claimed_is_rejected():
         assert any("weights averaged differ" in r for r in results[p].record.rejected), results[p].record
 
 
-def test_a_last_round_never_mixes_with_an_ordinary_one():
-    peers = {"a": [0, 1], "b": [2, 3]}
-    swarm = Swarm(peers)
-    results = swarm.round({"a": swarm.plan("a", last=True), "b": swarm.plan("b")})
-    for p in peers:
-        assert any("another kind of round" in r for r in results[p].record.rejected)
+def test_last_rounds_meet_apart_from_ordinary_ones():
+    """Peers in their last round average among themselves while the others take an ordinary round: in one
+    group, every member would drop it (on H100 peers, a peer whose step limit came a slot after the others'
+    met their last round with its ordinary one). An ordinary round does not wait for the finishing peers."""
+    peers = {"a": [0], "b": [1], "c": [2], "d": [3], "e": [3], "f": [3]}
+    swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0))
+    states = {p: "finishing" if p in "abc" else "training" for p in peers}
+    beats = {p: Heartbeat(experts=ex, step=10, state=states[p]) for p, ex in peers.items()}
+    swarm.view = MembershipView(beats, swarm.holders, {})
+    t0 = time.monotonic()
+    results = swarm.round({p: swarm.plan(p, last=states[p] == "finishing") for p in peers})
+    for together in ("abc", "def"):
+        want = torch.stack([swarm.dense[p][0] for p in together]).mean(0)
+        for p in together:
+            assert results[p].record.members["dense"] == list(together), results[p].record
+            assert torch.allclose(results[p].dense[1][0], want, atol=1e-6)
+            assert results[p].record.rejected == [], results[p].record
+    # the ordinary group began as soon as its three were in; the last one waited for the window
+    assert results["d"].record.phase_seconds["matchmaking"] < TIMING.matchmaking_s / 2, results["d"].record
+    assert time.monotonic() - t0 < TIMING.round_s
 
 
 def test_members_with_different_references_drop_the_round_and_take_the_common_one():

@@ -158,10 +158,11 @@ class OpenGroups:
         return groups
 
 
-def expected_members(spec: GroupSpec, view: MembershipView, me: str) -> int:
-    """How many members the group should have, as our view sees it (ourselves included)."""
+def expected_members(spec: GroupSpec, view: MembershipView, me: str, last: bool = False) -> int:
+    """How many members the group should have in our round (a ``last`` one or not), as our view sees it
+    (ourselves included)."""
     if spec.items == (DENSE,):
-        return 1 + len(view.partners(me))
+        return 1 + len(view.partners(me, ordinary=not last))
     return len(
         frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
     )

@@ -33,7 +33,7 @@ from hivemind.utils import MSGPackSerializer
 from swarm.net.dht_node import hivemind_child_signals
 from swarm.net.served_prints import kept_prints
 from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy
-from swarm.net.transport import GroupOutcome
+from swarm.net.transport import GroupOutcome, is_last_round
 from swarm.sync.robust_mean import AggregationRule
 
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
@@ -141,7 +141,7 @@ class HivemindGroup:
         self._set_served({}, None)  # the buffers are about to change: serve nothing until the next result
         self._fill(tensors)
         # commands reach the averager's process in order: the size is set before the step looks for a group
-        self._expect(expected)
+        self._expect(expected, last=is_last_round(info))
         return self.averager.step(
             gather=gather,
             weight=1.0,
@@ -177,9 +177,9 @@ class HivemindGroup:
     def cancel(self, handle: StepControl) -> None:
         handle.cancel()
 
-    def _expect(self, expected: int | None) -> None:
+    def _expect(self, expected: int | None, last: bool = False) -> None:
         # below two members (our view sees nobody else) no size is set: the group forms with whoever comes
-        self.averager.expect_members(expected if expected is None or expected >= 2 else None)
+        self.averager.expect_members(expected if expected is None or expected >= 2 else None, last)
 
     def _gather(self, info: dict[str, Any]) -> bytes:
         if self.swarm_key is not None:

@@ -5,7 +5,8 @@
     store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window
-(from the first start, or at the scheduled time) form one group; at least two make a round. The average is
+(from the first start, or at the scheduled time) form one group, last rounds apart from ordinary ones; at
+least two make a round. The average is
 the plain mean of what members sent, or the ``rule``'s aggregate (applied to each whole tensor, where
 hivemind's reducers apply it to each streamed part), through the codec as hivemind's butterfly all-reduce does it: each
 member's share travels encoded to its reducer, and each member gets (mean - its own) back encoded, except in
@@ -39,7 +40,7 @@ import torch
 
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.served_prints import kept_prints
-from swarm.net.transport import GroupOutcome, Served, metadata_accepted
+from swarm.net.transport import GroupOutcome, Served, is_last_round, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
 from swarm.sync.robust_mean import AggregationRule
 
@@ -76,7 +77,7 @@ class LocalNetwork:
         self.matchmaking_s, self.faults, self.codec, self.rule = matchmaking_s, list(faults), codec, rule
         self.lock = threading.Lock()
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
-        self.forming: dict[str, _Formation] = {}
+        self.forming: dict[tuple[str, bool], _Formation] = {}
         self.served: dict[tuple[str, str], Served] = {}
         self.lazy: dict[tuple[str, str], tuple[Callable[[], Sequence[torch.Tensor]], Codec | None]] = {}
         self.closed_groups: list[str] = []
@@ -101,11 +102,12 @@ class LocalNetwork:
         self, name: str, me: str, tensors: list[torch.Tensor] | None, info: dict, scheduled: float | None,
         expected: int | None = None,
     ):  # fmt: skip
+        key = (name, is_last_round(info))  # as hivemind's group key: last rounds meet only each other
         with self.lock:
-            form = self.forming.get(name)
+            form = self.forming.get(key)
             if form is None or form.results is not None or time.time() >= form.closes_at:
                 closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
-                form = self.forming[name] = _Formation(closes)
+                form = self.forming[key] = _Formation(closes)
             form.sent[me] = (tensors, info)
             if expected is not None and len(form.sent) >= expected:  # complete: it begins now
                 form.closes_at = min(form.closes_at, time.time())

@@ -207,7 +207,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             else:  # met early against another reference (another thread forgot ours): start as usual
                 if early is not None:
                     leave(group, early)
-                expected = expected_members(spec, view, ctx.me)
+                expected = expected_members(spec, view, ctx.me, plan.last)
                 handle = group.start(payload.tensors, info.to_msg(), look_s, plan.scheduled, expected)
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             if early is not None:

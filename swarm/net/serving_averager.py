@@ -27,7 +27,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from swarm.net.dht_node import as_hivemind_child
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
-from swarm.net.transport import metadata_accepted
+from swarm.net.transport import LAST_ROUND_BITS, metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
@@ -205,11 +205,16 @@ class ServingAverager(hivemind.DecentralizedAverager):
             return averaging_pb2.DownloadData()
         return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
 
-    def expect_members(self, n: int | None) -> None:
-        """Before a step: the group it forms may begin as soon as ``n`` members are in (runs in the child)."""
-        self._outer_pipe.send(("_expect_members", [n], {}))
+    def expect_members(self, n: int | None, last: bool = False) -> None:
+        """Before a step: the group it forms may begin as soon as ``n`` members are in, and a ``last``
+        round's step meets only other last rounds' (runs in the child)."""
+        self._outer_pipe.send(("_expect_members", [n, last], {}))
 
-    async def _expect_members(self, n: int | None) -> None:
+    async def _expect_members(self, n: int | None, last: bool = False) -> None:
+        # a key of its own for last rounds: under the ordinary one, a peer that reached its step limit a slot
+        # before another met that one's ordinary round, and every member dropped the mixed group (the ends
+        # of 2 of 5 wan.py runs on H100 peers). Set before every step: a formed group rewrites the bits
+        self._matchmaking.group_key_manager.group_bits = LAST_ROUND_BITS if last else ""
         # hivemind's target_group_size, changed round by round: a leader whose followers make ``n`` begins
         # at once instead of at the end of its matchmaking window, and turns away more (``GROUP_IS_FULL``)
         self._matchmaking.target_group_size = n

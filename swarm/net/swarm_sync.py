@@ -145,7 +145,7 @@ class SwarmSync:
         ):
             return
         specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
-        alone = not self.members.view.partners(self.ctx.me)
+        alone = not self.members.view.partners(self.ctx.me, ordinary=True)
         self._early = Prematch.begin(
             self.ctx, self.members.view, slot, self.round_index + 1, report.step, self._weights(model),
             (self._tokens, self._expert_tokens.clone()), self._groups(model, specs), alone, at,
@@ -261,7 +261,7 @@ class SwarmSync:
             sole,
             scheduled,
             last=last,
-            alone=not self.members.view.partners(self.ctx.me),
+            alone=not self.members.view.partners(self.ctx.me, ordinary=not last),
             refresh=self._point % self.sc.refresh_every == 0,
             copy_steps=dict(self.copy_steps),
             prematched=early.handles if early is not None else {},

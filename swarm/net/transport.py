@@ -25,6 +25,14 @@ import torch
 from swarm.sync.codecs import Codec
 
 
+LAST_ROUND_BITS = "1"  # hivemind group bits of a last round's matchmaking key (ordinary rounds': none)
+
+
+def is_last_round(info: Mapping[str, Any]) -> bool:
+    """Whether a round's info (``RoundInfo.to_msg``) is a last round's: those meet only each other."""
+    return info.get("last") is True
+
+
 @dataclass(frozen=True)
 class GroupOutcome:
     """A finished group round: the averaged tensors and each member's gathered info, or why not."""
@@ -101,7 +109,8 @@ class Group(Protocol):
     ) -> Any:
         """Begin a round in the background; ``info`` is gathered by every member. ``expected``: how many
         members we expect (ourselves included): the group may begin as soon as that many have joined,
-        instead of at the end of the matchmaking window."""
+        instead of at the end of the matchmaking window. A last round (``is_last_round(info)``) meets only
+        other last rounds of the group."""
         ...
 
     def prematch(

@@ -1,0 +1,48 @@
+"""Whose steps meet whose on hivemind's real averagers and p2pd (``swarm.net.serving_averager``): a last
+round's matchmaking key is its own. Serving, ruled all-reduce and met-early groups have tests of their own
+(``test_hivemind_transport``, ``test_ruled_allreduce``, ``test_prematch``)."""
+
+import time
+
+import pytest
+import torch
+
+from swarm.net.dht_node import start_dht, visible_maddrs
+from swarm.net.hivemind_group import close_groups
+from swarm.net.hivemind_transport import HivemindTransport
+from swarm.net.timing import Timing
+
+pytestmark = pytest.mark.timeout(120)
+TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
+                final_agreement_s=5.0)  # fmt: skip
+
+
+def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys():
+    """Two peers in their last round and two in an ordinary one, all looking at once for a group that
+    each view says has four members: the last rounds average as one pair and the ordinary ones as another
+    (under one key hivemind puts any of them together, and every member drops a group that mixes the two:
+    the end of 2 of 5 wan.py runs on H100 peers). After a last round the same averager meets ordinary
+    rounds again."""
+    first = start_dht()
+    dhts = [first, *(start_dht(visible_maddrs(first)) for _ in range(3))]
+    groups = [HivemindTransport(d, TIMING).open("t_last", [torch.zeros(100)]) for d in dhts]
+    try:
+        for last_ones in ((0, 2), ()):
+            handles = [
+                g.start([torch.full((100,), float(i))], {"i": i, "last": i in last_ones}, 4.0, None, expected=4)
+                for i, g in enumerate(groups)
+            ]
+            outcomes = [g.outcome(h, timeout=20) for g, h in zip(groups, handles, strict=True)]
+            for i, out in enumerate(outcomes):
+                assert out.ok, out.reason
+                if last_ones:
+                    together = [j for j in range(4) if (j in last_ones) == (i in last_ones)]
+                else:
+                    together = [0, 1, 2, 3]
+                assert sorted(v["i"] for v in out.members.values()) == together, (i, out.members)
+                assert torch.equal(out.tensors[0], torch.full((100,), sum(together) / len(together)))
+            time.sleep(0.5)
+    finally:
+        close_groups(groups)
+        for d in reversed(dhts):
+            d.shutdown()
