@@ -29,7 +29,9 @@ def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys()
     try:
         for last_ones in ((0, 2), ()):
             handles = [
-                g.start([torch.full((100,), float(i))], {"i": i, "last": i in last_ones}, 4.0, None, expected=4)
+                g.start(
+                    [torch.full((100,), float(i))], {"i": i, "last": i in last_ones}, 4.0, None, expected=4
+                )
                 for i, g in enumerate(groups)
             ]
             outcomes = [g.outcome(h, timeout=20) for g, h in zip(groups, handles, strict=True)]

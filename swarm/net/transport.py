@@ -24,7 +24,6 @@ import torch
 
 from swarm.sync.codecs import Codec
 
-
 LAST_ROUND_BITS = "1"  # hivemind group bits of a last round's matchmaking key (ordinary rounds': none)
 
 
