@@ -26,6 +26,7 @@ from pathlib import Path
 
 from peers.demo_summary import print_summary, read_jsonl, summarize
 from swarm.config import ConfigError, load_config, save_config
+from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop(peers, stop_bound)
         _stop([boot], 15)
-    summary = summarize(run_dirs, cfg.model.n_experts)
+    summary = summarize(run_dirs, cfg.model.n_experts, codec_named(cfg.sync.codec))
     print_summary(summary, formed)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     if interrupted:

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from swarm.sync.codecs import CODECS, Codec
 from swarm.train.round_record import RoundRecord
 
 
@@ -24,8 +25,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def summarize(run_dirs: list[Path], n_experts: int) -> dict:
-    """Per-peer validation loss, expert coverage, rounds completed and bytes per round."""
+def summarize(run_dirs: list[Path], n_experts: int, codec: Codec = CODECS["fp32"]) -> dict:
+    """Per-peer validation loss, expert coverage, rounds completed and bytes per round (predicted for the
+    swarm's ``codec``)."""
     peers, holders = [], {e: 0 for e in range(n_experts)}
     for i, d in enumerate(run_dirs):
         recs = read_jsonl(d / "metrics.jsonl")
@@ -63,15 +65,18 @@ def summarize(run_dirs: list[Path], n_experts: int) -> dict:
         "n_experts": n_experts,
         "holders": holders,
         "replicas": replica_spread(run_dirs, [p["experts"] for p in peers]),
-        "predicted_bytes_per_round": predicted_bytes(run_dirs, holders, [p["experts"] for p in peers]),
+        "predicted_bytes_per_round": predicted_bytes(run_dirs, holders, [p["experts"] for p in peers], codec),
     }
 
 
-def predicted_bytes(run_dirs: list[Path], holders: dict[int, int], experts: list[list[int]]) -> int | None:
+def predicted_bytes(
+    run_dirs: list[Path], holders: dict[int, int], experts: list[list[int]], codec: Codec
+) -> int | None:
     """What the design predicts a peer moves per round (sent + received, mean over peers): the dense
     all-reduce (butterfly: 2(n-1)/n of the dense bytes sent and as much received); each own expert's
-    all-reduce among its h holders, 4(h-1)/h of its bytes; and non-local downloads in fp16, counted once by
-    the peer that receives and once by the one that serves."""
+    all-reduce among its h holders, 4(h-1)/h of its bytes; and non-local downloads (fp16 copies with a
+    lossless codec, encoded changes with a lossy one), counted once by the peer that receives and once by
+    the one that serves. Each tensor at the codec's size on the wire (``Codec.wire_bytes``)."""
     from safetensors import safe_open
 
     from swarm.train.checkpoint import latest_checkpoint
@@ -79,18 +84,20 @@ def predicted_bytes(run_dirs: list[Path], holders: dict[int, int], experts: list
     path = latest_checkpoint(run_dirs[0] / "checkpoints")
     if path is None:
         return None
-    dense = expert = 0
+    copy_bytes = (lambda numel: 2 * numel) if codec.lossless else codec.wire_bytes
+    dense = expert = copy = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for key in f.keys():
             shape = f.get_slice(key).get_shape()
             numel = math.prod(shape)
             if ".experts." in key:
-                expert += 4 * numel // shape[0]
+                expert += codec.wire_bytes(numel // shape[0])
+                copy += copy_bytes(numel // shape[0])
             else:
-                dense += 4 * numel
+                dense += codec.wire_bytes(numel)
     n = len(run_dirs)
     own = sum(h * 4 * (h - 1) / h * expert for h in holders.values() if h > 0) / n
-    downloads = 2 * sum((len(holders) - len(ex)) * expert / 2 for ex in experts) / n
+    downloads = 2 * sum((len(holders) - len(ex)) * copy for ex in experts) / n
     return int(4 * (n - 1) / n * dense + own + downloads)
 
 
