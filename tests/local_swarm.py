@@ -45,7 +45,7 @@ class Swarm:
         sync: SyncConfig | None = None,
         timing: Timing = TIMING,
     ):
-        self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0)
+        self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0, codec="fp32")
         codec = codec_named(self.sync.codec)
         rule = aggregation_rule(self.sync.aggregation, self.sync.clip_factor)
         self.net = LocalNetwork(matchmaking_s=timing.matchmaking_s, faults=faults, codec=codec, rule=rule)

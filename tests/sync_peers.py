@@ -17,8 +17,14 @@ from swarm.train.sync_hook import StepReport
 MODEL = ModelConfig(
     vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_experts=4, expert_hidden=8, max_seq_len=256
 )
+# exact averages (fp32) unless a test names another codec: the in-memory network takes its codec apart
 SYNC = SyncConfig(
-    sync_every=5, matchmaking_s=0.3, round_timeout_s=4.0, heartbeat_s=0.2, download_timeout_s=1.0
+    sync_every=5,
+    matchmaking_s=0.3,
+    round_timeout_s=4.0,
+    heartbeat_s=0.2,
+    download_timeout_s=1.0,
+    codec="fp32",
 )
 
 

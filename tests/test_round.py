@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_replicated_experts_average_to_the_exact_weighted_mean(r):
     peers = ["a", "b", "c", "d"]
     experts = {p: [e for e in range(N_EXPERTS) if (e - i) % (4 // r) == 0] for i, p in enumerate(peers)}
-    swarm = Swarm(experts, sync=SyncConfig(aggregation="mean"))
+    swarm = Swarm(experts, sync=SyncConfig(aggregation="mean", codec="fp32"))
     began = time.time()
     weights = {
         p: {DENSE: 1.0 + i, **{expert_item(e): 0.5 + e + i for e in experts[p]}} for i, p in enumerate(peers)
@@ -91,7 +91,10 @@ def test_downloads_begin_with_the_round_or_once_its_groups_have_their_members(af
     ``downloads_after_matchmaking`` the downloads begin only then (on a narrow link they would hold up the
     matchmaking messages), otherwise at once; either way they are all in by the round's end."""
     peers = {"a": [0, 1], "b": [2, 3], "c": [2, 3]}
-    swarm = Swarm(peers, sync=SyncConfig(max_rel_distance=4.0, downloads_after_matchmaking=after_matchmaking))
+    swarm = Swarm(
+        peers,
+        sync=SyncConfig(max_rel_distance=4.0, codec="fp32", downloads_after_matchmaking=after_matchmaking),
+    )
     swarm.view.peers["b"].step = 20  # asked first: c serves nothing
     result = swarm.round({p: swarm.plan(p) for p in ("a", "b")})["a"]
     rec = result.record
@@ -112,7 +115,7 @@ def test_a_lagged_refresh_downloads_the_copies_agreed_the_round_before_without_w
     those its holders agreed the round before, at once; the first brings none (none agreed yet), and does
     not wait past our groups for them."""
     peers = {"a": [0, 1], "b": [2, 3], "c": [2, 3]}
-    sync = SyncConfig(max_rel_distance=4.0, lagged_refresh=lagged)
+    sync = SyncConfig(max_rel_distance=4.0, codec="fp32", lagged_refresh=lagged)
     # room for a loaded machine: twice in suite runs, c's round thread began its groups more than the 0.3 s
     # matchmaking window after b's (each then alone in its expert group); complete groups begin at once
     timing = dataclasses.replace(TIMING, matchmaking_s=1.0, round_s=6.0)

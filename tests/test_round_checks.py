@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_a_member_with_another_rule_makes_every_member_drop_the_round():
     peers = {"a": [0, 1], "b": [0, 1]}
     swarm = Swarm(peers)
-    mean = dataclasses.replace(swarm.ctx["b"], sync=SyncConfig(aggregation="mean"))
+    mean = dataclasses.replace(swarm.ctx["b"], sync=SyncConfig(aggregation="mean", codec="fp32"))
     swarm.ctx["b"] = mean
     results = swarm.round({p: swarm.plan(p) for p in peers})
     for p in peers:
@@ -32,7 +32,7 @@ def test_a_member_that_exchanges_digests_another_way_makes_every_member_drop_the
     waiting until the round's deadline for a digest that cannot come."""
     peers = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
     swarm = Swarm(peers)
-    swarm.ctx["c"] = dataclasses.replace(swarm.ctx["c"], sync=SyncConfig(digests="dht"))
+    swarm.ctx["c"] = dataclasses.replace(swarm.ctx["c"], sync=SyncConfig(digests="dht", codec="fp32"))
     results = swarm.round({p: swarm.plan(p) for p in peers})
     for p in peers:
         assert results[p].dense is None
@@ -99,7 +99,7 @@ def test_a_member_whose_result_alone_differs_is_out_voted_by_the_majority():
 def test_a_faulty_member_makes_every_member_drop_the_round(kind):
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3]}
     # centered clipping would leave a NaN member out and apply the round (test above): the mean cannot
-    sync = SyncConfig(aggregation="mean") if kind == "nan" else None
+    sync = SyncConfig(aggregation="mean", codec="fp32") if kind == "nan" else None
     swarm = Swarm(peers, faults=[Fault(kind, peer="b", round=1)], sync=sync)
     results = swarm.round({p: swarm.plan(p) for p in peers})
     for p in peers:
@@ -126,7 +126,7 @@ def test_last_rounds_meet_apart_from_ordinary_ones():
     group, every member would drop it (on H100 peers, a peer whose step limit came a slot after the others'
     met their last round with its ordinary one). An ordinary round does not wait for the finishing peers."""
     peers = {"a": [0], "b": [1], "c": [2], "d": [3], "e": [3], "f": [3]}
-    swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0))
+    swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0, codec="fp32"))
     states = {p: "finishing" if p in "abc" else "training" for p in peers}
     beats = {p: Heartbeat(experts=ex, step=10, state=states[p]) for p, ex in peers.items()}
     swarm.view = MembershipView(beats, swarm.holders, {})
