@@ -17,7 +17,7 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
 - ``round_vs_link``: a round's wall time divided by its payload's time on the link (half of what moved
   during the round, ``round_bytes``: each direction carries about half, at ``--mbit``), median over rounds;
   ``round_vs_link_later`` the same without each peer's first round (its groups' first meeting over the
-  links: 1.8 to 3.6x on H100 peers, where later rounds took 1.3 to 1.45x);
+  links: about 1.8x on H100 peers at 58f2243, where later rounds took 1.25x);
   ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``),
   ``startup_s`` how long its own start-up took (``RoundRecord.startup_s``: on hivemind, within
   matchmaking), and
