@@ -2,6 +2,7 @@
 process, on the fault-injecting ``LocalNetwork``."""
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
 from swarm.net.membership import MembershipView
 from swarm.net.records import Heartbeat
+from swarm.net.round import run_round
 from tests.local_swarm import TIMING, Swarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,6 +143,28 @@ def test_last_rounds_meet_apart_from_ordinary_ones():
     # the ordinary group began as soon as its three were in; the last one waited for the window
     assert results["d"].record.phase_seconds["matchmaking"] < TIMING.matchmaking_s / 2, results["d"].record
     assert time.monotonic() - t0 < TIMING.round_s
+
+
+def test_a_last_round_waits_its_window_for_finishers_that_come_apart():
+    """Peers reach their step limits apart: each finisher's last round begins 0.4 s after the one before,
+    longer than the network's matchmaking window (0.3 s), and still all three average together."""
+    peers = {"a": [0], "b": [1], "c": [2]}
+    swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0, codec="fp32"))
+    beats = {p: Heartbeat(experts=ex, step=10, state="finishing") for p, ex in peers.items()}
+    swarm.view = MembershipView(beats, swarm.holders, {})
+    plans, results = {p: swarm.plan(p, last=True) for p in peers}, {}
+    threads = []
+    for p in peers:
+        run = lambda p=p: results.__setitem__(p, run_round(plans[p], swarm.ctx[p], swarm.view))  # noqa: E731
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        time.sleep(0.4)
+    for t in threads:
+        t.join(timeout=30)
+    want = torch.stack([swarm.dense[p][0] for p in peers]).mean(0)
+    for p in peers:
+        assert results[p].record.members["dense"] == ["a", "b", "c"], results[p].record
+        assert torch.allclose(results[p].dense[1][0], want, atol=1e-6)
 
 
 def test_members_with_different_references_drop_the_round_and_take_the_common_one():

@@ -48,3 +48,33 @@ def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys()
         close_groups(groups)
         for d in reversed(dhts):
             d.shutdown()
+
+
+def test_a_step_scheduled_later_waits_for_members_that_come_apart_and_begins_once_all_are_in():
+    """Peers reach their step limits seconds apart: ``run_round`` schedules a last round's step most of its
+    window ahead. hivemind's leader then waits until then for followers rather than its own matchmaking time
+    (3 s here), and begins as soon as the expected members are in. Unscheduled, the first two formed a pair
+    after 3 s and the third was left alone."""
+    first = start_dht()
+    dhts = [first, *(start_dht(visible_maddrs(first)) for _ in range(2))]
+    groups = [HivemindTransport(d, TIMING).open("t_apart", [torch.zeros(100)]) for d in dhts]
+    try:
+        window, handles = 12.0, []
+        for i, g in enumerate(groups):
+            if i:
+                time.sleep(2.5)  # the others' finishing steps come later
+            info = {"i": i, "last": True}
+            handles.append(
+                g.start([torch.full((100,), float(i))], info, window, time.time() + 0.9 * window, 3)
+            )
+        began = time.monotonic()
+        outcomes = [g.outcome(h, timeout=20) for g, h in zip(groups, handles, strict=True)]
+        for out in outcomes:
+            assert out.ok, out.reason
+            assert sorted(v["i"] for v in out.members.values()) == [0, 1, 2], out.members
+            assert torch.equal(out.tensors[0], torch.full((100,), 1.0))
+        assert time.monotonic() - began < 5.0  # once the third was in, not at the end of the window
+    finally:
+        close_groups(groups)
+        for d in reversed(dhts):
+            d.shutdown()

@@ -154,6 +154,12 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
     look_s = wait + timing.matchmaking_left(plan.slot, time.time())  # for groups that meet now
+    begin_by = plan.scheduled
+    if begin_by is None and plan.last:
+        # peers reach their step limits seconds apart: a last round's group waits out its window for them
+        # unless all it expects come first. hivemind's leader would otherwise begin with whoever came after
+        # its own matchmaking time (on 2 cores, four finishers made two pairs, which the robust rule drops)
+        begin_by = time.time() + 0.9 * look_s
 
     fetch, started, all_started, groups_done = None, [], threading.Event(), threading.Event()
     # after a last round, copies are fetched once the holders have settled them (last_round)
@@ -208,7 +214,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 if early is not None:
                     leave(group, early)
                 expected = expected_members(spec, view, ctx.me, plan.last)
-                handle = group.start(payload.tensors, info.to_msg(), look_s, plan.scheduled, expected)
+                handle = group.start(payload.tensors, info.to_msg(), look_s, begin_by, expected)
         except Exception as e:  # a group that cannot start this round: its items keep their snapshots
             if early is not None:
                 leave(group, early)
