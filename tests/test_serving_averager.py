@@ -13,18 +13,26 @@ from swarm.net.hivemind_transport import HivemindTransport
 from swarm.net.timing import Timing
 
 pytestmark = pytest.mark.timeout(120)
-TIMING = Timing(matchmaking_s=3.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.5,
+TIMING = Timing(matchmaking_s=2.0, round_s=30.0, download_s=20.0, heartbeat_s=1.0, request_s=1.0,
                 final_agreement_s=5.0)  # fmt: skip
 
 
-def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys():
+@pytest.fixture(scope="module")
+def dhts():
+    """Four DHT nodes (and p2pds) on 127.0.0.1, shared by this file's tests: each opens groups of its own."""
+    first = start_dht()
+    nodes = [first, *(start_dht(visible_maddrs(first)) for _ in range(3))]
+    yield nodes
+    for d in reversed(nodes):
+        d.shutdown()
+
+
+def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys(dhts):
     """Two peers in their last round and two in an ordinary one, all looking at once for a group that
     each view says has four members: the last rounds average as one pair and the ordinary ones as another
     (under one key hivemind puts any of them together, and every member drops a group that mixes the two:
     the end of 2 of 5 wan.py runs on H100 peers). After a last round the same averager meets ordinary
     rounds again."""
-    first = start_dht()
-    dhts = [first, *(start_dht(visible_maddrs(first)) for _ in range(3))]
     groups = [HivemindTransport(d, TIMING).open("t_last", [torch.zeros(100)]) for d in dhts]
     try:
         for last_ones in ((0, 2), ()):
@@ -46,18 +54,14 @@ def test_last_rounds_and_ordinary_rounds_look_for_members_under_different_keys()
             time.sleep(0.5)
     finally:
         close_groups(groups)
-        for d in reversed(dhts):
-            d.shutdown()
 
 
-def test_a_step_scheduled_later_waits_for_members_that_come_apart_and_begins_once_all_are_in():
+def test_a_step_scheduled_later_waits_for_members_that_come_apart_and_begins_once_all_are_in(dhts):
     """Peers reach their step limits seconds apart: ``run_round`` schedules a last round's step most of its
     window ahead. hivemind's leader then waits until then for followers rather than its own matchmaking time
-    (3 s here), and begins as soon as the expected members are in. Unscheduled, the first two formed a pair
-    after 3 s and the third was left alone."""
-    first = start_dht()
-    dhts = [first, *(start_dht(visible_maddrs(first)) for _ in range(2))]
-    groups = [HivemindTransport(d, TIMING).open("t_apart", [torch.zeros(100)]) for d in dhts]
+    (2 s here), and begins as soon as the expected members are in. Unscheduled, the first two formed a pair
+    after 2 s and the third was left alone."""
+    groups = [HivemindTransport(d, TIMING).open("t_apart", [torch.zeros(100)]) for d in dhts[:3]]
     try:
         window, handles = 12.0, []
         for i, g in enumerate(groups):
@@ -76,5 +80,3 @@ def test_a_step_scheduled_later_waits_for_members_that_come_apart_and_begins_onc
         assert time.monotonic() - began < 5.0  # once the third was in, not at the end of the window
     finally:
         close_groups(groups)
-        for d in reversed(dhts):
-            d.shutdown()
