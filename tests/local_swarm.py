@@ -2,6 +2,7 @@
 ``test_round_checks`` run their rounds on."""
 
 import threading
+import time
 
 import torch
 
@@ -65,9 +66,14 @@ class Swarm:
         self.holders = {e: frozenset(p for p, ex in experts.items() if e in ex) for e in range(N_EXPERTS)}
         self.at_step(10)
 
-    def at_step(self, step: int) -> None:
-        """Every peer's heartbeat says ``step`` (a holder's copies are fresh from a round at that step)."""
-        beats = {p: Heartbeat(experts=ex, step=step, state="training") for p, ex in self.experts.items()}
+    def at_step(self, step: int, states: dict[str, str] | None = None) -> None:
+        """Every peer's heartbeat says ``step`` (a holder's copies are fresh from a round at that step), and
+        its state (``training`` unless ``states`` says otherwise)."""
+        states = states or {}
+        beats = {
+            p: Heartbeat(experts=ex, step=step, state=states.get(p, "training"))
+            for p, ex in self.experts.items()
+        }
         self.view = MembershipView(beats, self.holders, {})
 
     def plan(self, me: str, index: int = 1, weights: dict[str, float] | None = None, last: bool = False,
@@ -81,12 +87,15 @@ class Swarm:
         return RoundPlan(index, step, self.dense[me], {e: self.copies[me][e] for e in local}, frozen, w,
                          groups, sole, None, last, refresh=refresh, copy_steps=copy_steps or {})  # fmt: skip
 
-    def round(self, plans: dict[str, RoundPlan]):
+    def round(self, plans: dict[str, RoundPlan], apart_s: float = 0.0):
+        """Each peer's round on a thread of its own, begun ``apart_s`` after the one before."""
         results, threads = {}, []
         for me, plan in plans.items():
             run = lambda me=me, plan=plan: results.__setitem__(me, run_round(plan, self.ctx[me], self.view))  # noqa: E731
             threads.append(threading.Thread(target=run))
-        for t in threads:
+        for i, t in enumerate(threads):
+            if i and apart_s:
+                time.sleep(apart_s)
             t.start()
         for t in threads:
             t.join(timeout=30)

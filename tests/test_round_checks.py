@@ -2,7 +2,6 @@
 process, on the fault-injecting ``LocalNetwork``."""
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -10,9 +9,6 @@ import torch
 
 from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
-from swarm.net.membership import MembershipView
-from swarm.net.records import Heartbeat
-from swarm.net.round import run_round
 from tests.local_swarm import TIMING, Swarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,8 +126,7 @@ def test_last_rounds_meet_apart_from_ordinary_ones():
     peers = {"a": [0], "b": [1], "c": [2], "d": [3], "e": [3], "f": [3]}
     swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0, codec="fp32"))
     states = {p: "finishing" if p in "abc" else "training" for p in peers}
-    beats = {p: Heartbeat(experts=ex, step=10, state=states[p]) for p, ex in peers.items()}
-    swarm.view = MembershipView(beats, swarm.holders, {})
+    swarm.at_step(10, states)
     t0 = time.monotonic()
     results = swarm.round({p: swarm.plan(p, last=states[p] == "finishing") for p in peers})
     for together in ("abc", "def"):
@@ -150,17 +145,8 @@ def test_a_last_round_waits_its_window_for_finishers_that_come_apart():
     longer than the network's matchmaking window (0.3 s), and still all three average together."""
     peers = {"a": [0], "b": [1], "c": [2]}
     swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", max_rel_distance=4.0, codec="fp32"))
-    beats = {p: Heartbeat(experts=ex, step=10, state="finishing") for p, ex in peers.items()}
-    swarm.view = MembershipView(beats, swarm.holders, {})
-    plans, results = {p: swarm.plan(p, last=True) for p in peers}, {}
-    threads = []
-    for p in peers:
-        run = lambda p=p: results.__setitem__(p, run_round(plans[p], swarm.ctx[p], swarm.view))  # noqa: E731
-        threads.append(threading.Thread(target=run))
-        threads[-1].start()
-        time.sleep(0.4)
-    for t in threads:
-        t.join(timeout=30)
+    swarm.at_step(10, {p: "finishing" for p in peers})
+    results = swarm.round({p: swarm.plan(p, last=True) for p in peers}, apart_s=0.4)
     want = torch.stack([swarm.dense[p][0] for p in peers]).mean(0)
     for p in peers:
         assert results[p].record.members["dense"] == ["a", "b", "c"], results[p].record
