@@ -27,11 +27,12 @@ from hivemind.utils.asyncio import as_aiter, azip
 from swarm.net.dht_node import as_hivemind_child
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
-from swarm.net.transport import LAST_ROUND_BITS, metadata_accepted
+from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
 ANNOUNCE_PART = 8192
+LAST_ROUND_BITS = "1"  # group bits of a last round's matchmaking key (ordinary rounds': none)
 # hivemind waits for a new averager with no timeout; one whose request to its DHT process (for the p2p
 # daemon) goes unanswered waits forever (seen in the suite: a DHT process gone, every later group hung)
 READY_S = 60.0

@@ -24,8 +24,6 @@ import torch
 
 from swarm.sync.codecs import Codec
 
-LAST_ROUND_BITS = "1"  # hivemind group bits of a last round's matchmaking key (ordinary rounds': none)
-
 
 def is_last_round(info: Mapping[str, Any]) -> bool:
     """Whether a round's info (``RoundInfo.to_msg``) is a last round's: those meet only each other."""
