@@ -177,3 +177,44 @@ def test_members_with_different_references_drop_the_round_and_take_the_common_on
     }
     ids = {swarm.ctx[p].payloads.reference_id(dense) for p in peers}
     assert len(ids) == 1 and ids != {agreed[0]} and "" not in ids
+
+
+def test_a_split_round_keeps_the_reference_so_the_next_round_with_everyone_is_applied():
+    """Rounds on steps, peers out of phase: four int8 peers' group splits into two pairs. Had each pair moved
+    its reference on to its own result, the next round with all four would be dropped (references differ);
+    each keeps the one all four agreed, so that round is applied, with the mean of the four."""
+    peers = {"a": [0], "b": [1], "c": [2], "d": [3]}
+    swarm = Swarm(peers, sync=SyncConfig(aggregation="mean", codec="int8", max_rel_distance=4.0))
+    spec = swarm.plan("a").groups[0][0]
+
+    def refs():
+        return {p: swarm.ctx[p].payloads.reference_id(spec) for p in peers}
+
+    def round_of(together, index):
+        results = swarm.round({p: swarm.plan(p, index=index, refresh=False) for p in together})
+        for p in together:
+            assert results[p].record.members["dense"] == sorted(together), results[p].record
+            assert results[p].record.rejected == [], results[p].record
+        return results
+
+    round_of("abcd", 1)
+    agreed = refs()
+    assert len(set(agreed.values())) == 1 and "" not in agreed.values()
+    for p in peers:  # training moves every peer's weights on
+        swarm.dense[p] = [
+            swarm.dense[p][0] + 0.1 * torch.randn(6, 5, generator=torch.Generator().manual_seed(7))
+        ]
+    for pair in ("ab", "cd"):
+        results = round_of(pair, 2)
+        want = torch.stack([swarm.dense[p][0] for p in pair]).mean(0)
+        for p in pair:
+            assert torch.allclose(results[p].dense[1][0], want, atol=0.02)
+    assert refs() == agreed and all(swarm.ctx[p].payloads.held(spec) == 1 for p in peers)
+
+    results = round_of("abcd", 3)
+    want = torch.stack([swarm.dense[p][0] for p in peers]).mean(0)
+    for p in peers:
+        assert torch.allclose(results[p].dense[1][0], want, atol=0.02)
+    moved = refs()
+    assert len(set(moved.values())) == 1 and moved != agreed
+    assert all(swarm.ctx[p].payloads.held(spec) == 0 for p in peers)

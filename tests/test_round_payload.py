@@ -61,3 +61,25 @@ def test_a_group_with_items_the_reference_lacks_sends_weights():
     sent = payloads.encode(one, _local(0), {"expert0": 1.0})
     payloads.commit(one, sent, _local(0), "r1")
     assert payloads.reference_id(one) == "r1" and payloads.reference_id(SPEC) == ""
+
+
+def test_a_round_short_of_its_quorum_keeps_the_reference_and_the_next_change_includes_its_own():
+    codec = codec_named("int8")
+    payloads, weights = Payloads(codec), {"expert0": 1.0, "expert1": 1.0}
+    first = payloads.encode(SPEC, _local(0), weights)
+    agreed = _local(1)
+    payloads.commit(SPEC, first, agreed, "r1")
+    split = payloads.encode(SPEC, {i: [t + 0.01 for t in ts] for i, ts in agreed.items()}, weights)
+    applied = {i: [t + 0.02 for t in ts] for i, ts in agreed.items()}  # the split group's result
+    payloads.commit(SPEC, split, applied, "r2", moves=False)
+    assert payloads.reference_id(SPEC) == "r1" and payloads.held(SPEC) == 1
+    # the next change is against r1 (so it carries the split round's change too), plus what the codec
+    # dropped from the split round's payload
+    later = {i: [t + 0.03 for t in ts] for i, ts in agreed.items()}
+    nxt = payloads.encode(SPEC, later, weights)
+    assert nxt.reference == "r1"
+    assert torch.allclose(
+        nxt.tensors[0], later["expert0"][0] - agreed["expert0"][0] + split.residuals[0], atol=1e-6
+    )
+    payloads.commit(SPEC, nxt, later, "r3")
+    assert payloads.reference_id(SPEC) == "r3" and payloads.held(SPEC) == 0

@@ -166,3 +166,12 @@ def expected_members(spec: GroupSpec, view: MembershipView, me: str, last: bool 
     return len(
         frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
     )
+
+
+def reference_quorum(spec: GroupSpec, view: MembershipView, me: str) -> int:
+    """How many members an ordinary round of the group needs for a lossy codec's reference to move on to its
+    result (``round_payload``), as our view sees it: every peer that trains, or will once it has caught up,
+    the group's items (ourselves included)."""
+    if spec.items == (DENSE,):
+        return 1 + len(view.partners(me, ordinary=True, joining=True))
+    return expected_members(spec, view, me)

@@ -53,11 +53,12 @@ class MembershipView:
         heard = self.heard_at.get(peer)
         return 0.0 if heard is None else max(0.0, self.read_at - heard)
 
-    def partners(self, me: str, ordinary: bool = False) -> list[str]:
+    def partners(self, me: str, ordinary: bool = False, joining: bool = False) -> list[str]:
         """The other peers that may average with us now: training, or in their last round (a joiner has not
         caught up yet, and a peer that is done averages no more). For an ``ordinary`` round, those training:
-        a peer in its last round meets only last rounds."""
+        a peer in its last round meets only last rounds. ``joining``: joiners too (they will average soon)."""
         states = ("training",) if ordinary else ("training", "finishing")
+        states += ("joining",) if joining else ()
         return [p for p, hb in self.peers.items() if p != me and hb.state in states]
 
     def step_of(self, peer: str) -> int:

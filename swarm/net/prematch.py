@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarm.net.group_layout import DENSE, GroupSpec, expected_members
+from swarm.net.group_layout import DENSE, GroupSpec, expected_members, reference_quorum
 from swarm.net.round_checks import weighted
 from swarm.net.round_info import RoundInfo
 from swarm.net.transport import Group
@@ -73,7 +73,10 @@ class Prematch:
                 continue
             ws = tuple(weights[i] if weighted(ctx) else 1.0 for i in spec.items)
             reference = ctx.payloads.reference_id(spec)
-            info = RoundInfo(step, index, False, ws, reference, ctx.sync.aggregation, ctx.sync.digests)
+            info = RoundInfo(
+                step, index, False, ws, reference, ctx.sync.aggregation, ctx.sync.digests,
+                reference_quorum(spec, view, ctx.me), ctx.payloads.held(spec),
+            )  # fmt: skip
             try:
                 handle = group.prematch(
                     info.to_msg(), scheduled, ctx.timing.matchmaking_left(slot, scheduled),

@@ -38,6 +38,7 @@ from swarm.net.group_layout import (
     expected_members,
     expert_item,
     pack,
+    reference_quorum,
 )
 from swarm.net.membership import MembershipView
 from swarm.net.prematch import Prematched, leave
@@ -206,6 +207,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 payload.reference,
                 ctx.sync.aggregation,
                 ctx.sync.digests,
+                reference_quorum(spec, view, ctx.me),
+                ctx.payloads.held(spec),
             )
             if early is not None and early.reference == payload.reference:
                 handle = group.trigger(early.handle, payload.tensors)

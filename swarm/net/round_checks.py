@@ -18,7 +18,13 @@ import torch
 
 from swarm.net.group_layout import GroupSpec
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key
-from swarm.net.round_info import REFERENCES_DIFFER, WEIGHT_TOLERANCE, RoundInfo, common_reference
+from swarm.net.round_info import (
+    REFERENCES_DIFFER,
+    WEIGHT_TOLERANCE,
+    RoundInfo,
+    common_reference,
+    reference_moves,
+)
 from swarm.net.round_payload import SentPayload
 from swarm.net.transport import GroupOutcome
 from swarm.sync import RejectedTensor, check_tensors
@@ -151,6 +157,7 @@ def confirm_outcome(
     except RejectedTensor as e:
         add_time(spent, "verify", t)
         return None, str(e)
-    ctx.payloads.commit(spec, payload, averages, key)
+    infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]  # check_outcome's
+    ctx.payloads.commit(spec, payload, averages, key, reference_moves(infos, len(outcome.members)))
     add_time(spent, "verify", t)
     return averages, ""

@@ -19,6 +19,11 @@ from swarm.sync.robust_mean import AGGREGATIONS
 MAX_WEIGHT = 100.0
 WEIGHT_TOLERANCE = 1e-4
 MAX_REFERENCE = 128
+MAX_COUNT = 1 << 20  # a member's quorum or held rounds: anything larger is implausible
+# a reference stays through at most this many applied rounds short of their quorum: a peer in view that
+# never makes it into a group (out of phase, or gone but not yet silent for long) then costs one dropped
+# round every few, instead of deltas against an ever older state
+MAX_HELD = 3
 DIGEST_EXCHANGES = ("direct", "dht")
 REFERENCES_DIFFER = "members' deltas were against different references"
 
@@ -34,6 +39,8 @@ class RoundInfo:
     reference: str = ""  # the agreed state our deltas are against ("": we send weights; round_payload)
     rule: str = "mean"  # how we reduce our part (``swarm.sync.robust_mean``): every member must use the same
     digests: str = "dht"  # how we exchange round digests (``sync.digests``): every member must use the same
+    quorum: int = 0  # how many members our reference waits for before it moves on (``reference_moves``)
+    held: int = 0  # rounds we applied since our reference last moved on
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -44,6 +51,8 @@ class RoundInfo:
             "ref": self.reference,
             "rule": self.rule,
             "digests": self.digests,
+            "quorum": self.quorum,
+            "held": self.held,
         }
 
     @classmethod
@@ -56,7 +65,10 @@ class RoundInfo:
         digests = value.get("digests", "dht")  # peers before ``sync.digests`` used the DHT
         if rule not in AGGREGATIONS or digests not in DIGEST_EXCHANGES:  # also anything unhashable
             return None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
+        quorum, held = value.get("quorum", 0), value.get("held", 0)  # 0: a peer from before these fields
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index, quorum, held)):
+            return None
+        if not (0 <= quorum <= MAX_COUNT and 0 <= held <= MAX_COUNT):
             return None
         if not isinstance(reference, str) or len(reference) > MAX_REFERENCE:
             return None
@@ -65,10 +77,21 @@ class RoundInfo:
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
-        return cls(step, index, last, tuple(float(w) for w in weights), reference, rule, digests)
+        return cls(
+            step, index, last, tuple(float(w) for w in weights), reference, rule, digests, quorum, held
+        )
 
 
 def common_reference(infos: Sequence[RoundInfo]) -> str:
     """The reference most members' changes were against (ties: the smallest id); "" if none had one."""
     counts = Counter(i.reference for i in infos if i.reference)
     return max(sorted(counts), key=lambda r: counts[r]) if counts else ""
+
+
+def reference_moves(infos: Sequence[RoundInfo], size: int) -> bool:
+    """Whether a lossy codec's members take this round's result as their next reference (``round_payload``).
+    Only a round with every member that each expected does, or one whose reference has been held for
+    ``MAX_HELD`` rounds: a group that split (rounds on steps, peers out of phase), or one that a joiner has
+    yet to join, would otherwise leave members with other references, and the next round with them all
+    would be dropped. Every member decides from the same infos, so all decide alike."""
+    return size >= max(i.quorum for i in infos) or max(i.held for i in infos) >= MAX_HELD

@@ -6,7 +6,9 @@ gradient) plus what the codec dropped last time; with fp32, the weights themselv
     averages = payloads.decode(spec, sent, averaged)   # {item: reference + mean delta}: the average of weights
     payloads.commit(spec, sent, averages, new_id)      # once every member agreed: the next reference
 
-Each member of a group keeps the group's last agreed result as its reference. A delta is small next to the
+Each member of a group keeps the group's last agreed result as its reference, moved on only by a round
+that had every member its members expected (``round_info.reference_moves``): after a round that a group
+split, or that a joiner missed, its members' references would differ at their next round together. A delta is small next to the
 weights, so the codec's error is small next to the weights too; and mean(x - r) + r = mean(x) exactly when
 every member used the same r. Members name their reference in their round info: if they differ (a member
 missed a round, or joined since), the result is meaningless and every member drops it. The members whose
@@ -57,6 +59,7 @@ class Payloads:
         self.codec, self.error_feedback = codec, error_feedback and not codec.lossless
         self._refs: dict[str, tuple[str, dict[str, list[torch.Tensor]]]] = {}
         self._residuals: dict[str, list[torch.Tensor]] = {}
+        self._held: dict[str, int] = {}  # rounds applied since the group's reference last moved on
         self._lock = threading.Lock()
 
     def reference(self, spec: GroupSpec) -> tuple[str, dict[str, list[torch.Tensor]] | None]:
@@ -68,11 +71,17 @@ class Payloads:
     def reference_id(self, spec: GroupSpec) -> str:
         return self.reference(spec)[0]
 
+    def held(self, spec: GroupSpec) -> int:
+        """Rounds of the group applied since its reference last moved on (``commit``)."""
+        with self._lock:
+            return self._held.get(spec.name, 0)
+
     def adopt(self, spec: GroupSpec, ref_id: str, tensors: Mapping[str, list[torch.Tensor]]) -> None:
         """Take another member's reference (its served copy of the agreed state) as ours."""
         with self._lock:
             self._refs[spec.name] = (ref_id, {i: list(tensors[i]) for i in spec.items})
             self._residuals.pop(spec.name, None)
+            self._held.pop(spec.name, None)
 
     def encode(
         self,
@@ -105,14 +114,24 @@ class Payloads:
         return averages, weights
 
     def commit(
-        self, spec: GroupSpec, sent: SentPayload, averages: Mapping[str, list[torch.Tensor]], agreed_id: str
+        self,
+        spec: GroupSpec,
+        sent: SentPayload,
+        averages: Mapping[str, list[torch.Tensor]],
+        agreed_id: str,
+        moves: bool = True,
     ) -> None:
-        """The round was applied: its result is the group's next reference, and the codec's error the next
-        residual."""
+        """The round was applied: the codec's error is the next residual, and its result the group's next
+        reference if it ``moves`` on (``round_info.reference_moves``); else the next round's changes are
+        against the same reference as this one's were (they include this round's change)."""
         if self.codec.lossless:
             return
         with self._lock:
-            self._refs[spec.name] = (agreed_id, {i: [t.clone() for t in averages[i]] for i in spec.items})
+            if moves:
+                self._refs[spec.name] = (agreed_id, {i: [t.clone() for t in averages[i]] for i in spec.items})
+                self._held.pop(spec.name, None)
+            else:
+                self._held[spec.name] = self._held.get(spec.name, 0) + 1
             if sent.residuals is not None:
                 self._residuals[spec.name] = sent.residuals
             else:
@@ -124,9 +143,11 @@ class Payloads:
         with self._lock:
             self._refs = {n: r for n, r in self._refs.items() if n in keep}
             self._residuals = {n: r for n, r in self._residuals.items() if n in keep}
+            self._held = {n: r for n, r in self._held.items() if n in keep}
 
     def forget(self, name: str) -> None:
         """Members did not share a reference, or the group closed: the next round sends weights."""
         with self._lock:
             self._refs.pop(name, None)
             self._residuals.pop(name, None)
+            self._held.pop(name, None)
