@@ -218,11 +218,10 @@ class SyncConfig:
     max_rel_distance: float = 4.0  # reject a received tensor farther than this x the norm of ours (garbage)
     # how averaged tensors travel (swarm.sync.codecs): fp32, fp16 or int8 (blockwise absmax). A lossy codec
     # sends the change since the last agreed state, plus what it dropped last round (error feedback). int8
-    # over internet links: on GPU peers over 100 Mbit/s its rounds on the wall clock moved 0.15 of a fp32
-    # full-model all-reduce, took 1.25x their payload's link time, and learned no worse than fp32
-    # (benchmarks/README.md). fp32 stays the default: with rounds on steps, groups that split leave a lossy
-    # codec's members with different references (a 2-core test swarm then failed its final agreement)
-    codec: Literal["fp32", "fp16", "int8"] = "fp32"
+    # by default: on GPU peers over 100 Mbit/s its rounds moved 0.15 of a fp32 full-model all-reduce, took
+    # 1.25x their payload's link time, and learned no worse than fp32 (benchmarks/README.md). fp32 averages
+    # exactly, for peers whose CPUs rather than links limit a round
+    codec: Literal["fp32", "fp16", "int8"] = "int8"
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1
