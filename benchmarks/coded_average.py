@@ -23,21 +23,26 @@ from swarm.sync.codecs import Codec
 class CodedAverage:
     """See the module docstring. ``owned[i]``: the experts replica ``i`` trains."""
 
-    def __init__(self, codec: Codec, models: list, owned: list[list[int]], n_experts: int) -> None:
+    def __init__(
+        self, codec: Codec, models: list, owned: list[list[int]], n_experts: int, dense: Codec | None = None
+    ) -> None:
         self.codec, self.owned, self.n_experts = codec, owned, n_experts
+        self.dense = dense or codec  # the dense weights' codec (``sync.dense_codec``)
         self.refs = [m.canonical_state_dict() for m in models]  # every replica starts from the same state
         self.dropped = [{k: torch.zeros_like(v) for k, v in ref.items()} for ref in self.refs]
 
-    def _members_mean(self, members: list[int], now: list, name: str, part) -> dict[int, torch.Tensor]:
+    def _members_mean(
+        self, members: list[int], now: list, name: str, part, codec: Codec
+    ) -> dict[int, torch.Tensor]:
         """Each member's result for ``name[part]``: its reference plus the mean of the members' encoded
         changes, as it came back to it encoded."""
         sent = {}
         for i in members:
             change = now[i][name][part] - self.refs[i][name][part] + self.dropped[i][name][part]
-            sent[i] = self.codec.roundtrip(change)
+            sent[i] = codec.roundtrip(change)
             self.dropped[i][name][part] = change - sent[i]
         mean = torch.stack(list(sent.values())).mean(0)
-        return {i: self.refs[i][name][part] + sent[i] + self.codec.roundtrip(mean - sent[i]) for i in members}
+        return {i: self.refs[i][name][part] + sent[i] + codec.roundtrip(mean - sent[i]) for i in members}
 
     @torch.no_grad()
     def __call__(self, models: list) -> None:
@@ -45,14 +50,14 @@ class CodedAverage:
         everyone = list(range(len(models)))
         for name in now[0]:
             if ".experts." not in name:
-                for i, result in self._members_mean(everyone, now, name, slice(None)).items():
+                for i, result in self._members_mean(everyone, now, name, slice(None), self.dense).items():
                     now[i][name] = result
                 continue
             for e in range(self.n_experts):
                 holders = [i for i in everyone if e in self.owned[i]]
                 if not holders:  # nobody trains it: it stays as it is
                     continue
-                results = self._members_mean(holders, now, name, e)
+                results = self._members_mean(holders, now, name, e, self.codec)
                 for i in everyone:
                     if i in results:
                         now[i][name][e] = results[i]

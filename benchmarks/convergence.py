@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
     ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
-    ap.add_argument("--average-codec", default="fp32", choices=("fp32", "fp16", "int8"),
+    ap.add_argument("--average-codec", default="fp32", choices=("fp32", "fp16", "int8", "int4"),
                     help="how the every_step rows' averages travel (coded_average)")  # fmt: skip
+    ap.add_argument("--average-dense-codec", default="", choices=("", "fp32", "fp16", "int8", "int4"),
+                    help="the dense weights' codec there (default: --average-codec)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             elif name in EXTRA_ROWS:
                 res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
                                      own_experts=name == "every_step_spes", device=args.device,
-                                     codec=args.average_codec)  # fmt: skip
+                                     codec=args.average_codec, dense_codec=args.average_dense_codec)  # fmt: skip
             else:
                 if name == "diloco_bytes":
                     diloco_scale = _scale_for_equal_bytes(results)

@@ -158,14 +158,15 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
-                   device: str = "cpu", codec: str = "fp32") -> RunResult:  # fmt: skip
+                   device: str = "cpu", codec: str = "fp32", dense_codec: str = "") -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
     it trains on, can only do worse. Every replica trains every expert, or with ``own_experts`` only its
     own ``experts.per_peer`` of them, as a swarm peer does (the others are frozen copies, taken from their
     trainers at every averaging); an expert is the mean of the replicas that trained it. A lossy ``codec``
-    (``sync.codec``'s names) averages through it (``coded_average``)."""
+    (``sync.codec``'s names) averages through it (``coded_average``), the dense weights through
+    ``dense_codec`` if given."""
     from coded_average import CodedAverage
 
     from swarm.data import WindowSampler
@@ -185,7 +186,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         models.append(m.to(device))
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
-    coded = None if codec_named(codec).lossless else CodedAverage(codec_named(codec), models, owned, n_exp)
+    dense = codec_named(dense_codec or codec)
+    coded = None
+    if not (codec_named(codec).lossless and dense.lossless):
+        coded = CodedAverage(codec_named(codec), models, owned, n_exp, dense)
 
     def evaluate() -> float:
         return heldout_loss(

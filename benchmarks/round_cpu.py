@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--codec", default="int8", choices=["fp32", "fp16", "int8"])
+    ap.add_argument("--codec", default="int8", choices=["fp32", "fp16", "int8", "int4"])
     ap.add_argument("--device", choices=["cpu", "cuda"], help="of the training thread (default: cuda if any)")
     ap.add_argument("--local", type=int, default=4, help="experts the peer holds (default 4)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls of each part (default 5)")

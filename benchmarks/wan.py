@@ -64,7 +64,7 @@ from swarm.config import RunConfig, load_config, save_config  # noqa: E402
 from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets  # noqa: E402
 from swarm.train.round_record import RoundRecord  # noqa: E402
 
-CODECS = ("fp32", "fp16", "int8")
+CODECS = ("fp32", "fp16", "int8", "int4", "int8/int4")  # "a/b": experts' a, the dense group's b
 SHAPES = {
     "demo": [],
     # about 135 MB of fp32: experts dominate, as in the real models
@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate in each direction (default 100)")
     ap.add_argument("--rounds", type=int, default=8, help="sync intervals each peer trains (default 8)")
-    ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated (default: all)")
+    ap.add_argument("--codecs", default=",".join(CODECS),
+                    help="comma-separated; a/b: sync.codec a, sync.dense_codec b (default: all)")  # fmt: skip
     ap.add_argument("--shapes", default="demo,wide", help="comma-separated: demo, wide (default both)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every peer")
@@ -89,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.shapes, args.rounds = "demo", 4
     args.codecs, args.shapes = args.codecs.split(","), args.shapes.split(",")
-    bad = [c for c in args.codecs if c not in CODECS] + [s for s in args.shapes if s not in SHAPES]
+    known = {"fp32", "fp16", "int8", "int4"}
+    bad = [c for c in args.codecs if not set(c.split("/", 1)) <= known] + [
+        s for s in args.shapes if s not in SHAPES
+    ]
     if bad or args.peers < 2 or args.rounds < 2:
         ap.error(f"unknown codecs or shapes {bad}" if bad else "needs --peers >= 2 and --rounds >= 2")
     return args
@@ -137,7 +141,8 @@ class Processes:
 
 
 def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
-    overrides = [*SHAPES[shape], f"sync.codec={codec}", *args.set]
+    experts, _, dense = codec.partition("/")
+    overrides = [*SHAPES[shape], f"sync.codec={experts}", f"sync.dense_codec={dense or experts}", *args.set]
     cfg = load_config(args.config, overrides)
     steps = args.rounds * cfg.sync.sync_every
     run.mkdir(parents=True, exist_ok=True)
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {
                     "shape": shape,
                     "codec": codec,
-                    **run_swarm(args, shape, codec, base / f"{shape}_{codec}"),
+                    **run_swarm(args, shape, codec, base / f"{shape}_{codec.replace('/', '+')}"),
                 }
                 rows.append(row)
                 if args.json:

@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop(peers, stop_bound)
         _stop([boot], 15)
-    summary = summarize(run_dirs, cfg.model.n_experts, codec_named(cfg.sync.codec))
+    codec = codec_named(cfg.sync.codec)
+    summary = summarize(
+        run_dirs, cfg.model.n_experts, codec, codec_named(cfg.sync.dense_codec or cfg.sync.codec)
+    )
     print_summary(summary, formed)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     if interrupted:

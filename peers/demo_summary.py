@@ -25,9 +25,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def summarize(run_dirs: list[Path], n_experts: int, codec: Codec = CODECS["fp32"]) -> dict:
+def summarize(
+    run_dirs: list[Path], n_experts: int, codec: Codec = CODECS["fp32"], dense_codec: Codec | None = None
+) -> dict:
     """Per-peer validation loss, expert coverage, rounds completed and bytes per round (predicted for the
-    swarm's ``codec``)."""
+    swarm's ``codec``, and ``dense_codec`` for the dense all-reduce: default ``codec``)."""
     peers, holders = [], {e: 0 for e in range(n_experts)}
     for i, d in enumerate(run_dirs):
         recs = read_jsonl(d / "metrics.jsonl")
@@ -65,18 +67,20 @@ def summarize(run_dirs: list[Path], n_experts: int, codec: Codec = CODECS["fp32"
         "n_experts": n_experts,
         "holders": holders,
         "replicas": replica_spread(run_dirs, [p["experts"] for p in peers]),
-        "predicted_bytes_per_round": predicted_bytes(run_dirs, holders, [p["experts"] for p in peers], codec),
+        "predicted_bytes_per_round": predicted_bytes(
+            run_dirs, holders, [p["experts"] for p in peers], codec, dense_codec or codec
+        ),
     }
 
 
 def predicted_bytes(
-    run_dirs: list[Path], holders: dict[int, int], experts: list[list[int]], codec: Codec
+    run_dirs: list[Path], holders: dict[int, int], experts: list[list[int]], codec: Codec, dense_codec: Codec
 ) -> int | None:
     """What the design predicts a peer moves per round (sent + received, mean over peers): the dense
     all-reduce (butterfly: 2(n-1)/n of the dense bytes sent and as much received); each own expert's
     all-reduce among its h holders, 4(h-1)/h of its bytes; and non-local downloads (fp16 copies with a
     lossless codec, encoded changes with a lossy one), counted once by the peer that receives and once by
-    the one that serves. Each tensor at the codec's size on the wire (``Codec.wire_bytes``)."""
+    the one that serves. Each tensor at its codec's size on the wire (``Codec.wire_bytes``)."""
     from safetensors import safe_open
 
     from swarm.train.checkpoint import latest_checkpoint
@@ -94,7 +98,7 @@ def predicted_bytes(
                 expert += codec.wire_bytes(numel // shape[0])
                 copy += copy_bytes(numel // shape[0])
             else:
-                dense += codec.wire_bytes(numel)
+                dense += dense_codec.wire_bytes(numel)
     n = len(run_dirs)
     own = sum(h * 4 * (h - 1) / h * expert for h in holders.values() if h > 0) / n
     downloads = 2 * sum((len(holders) - len(ex)) * copy for ex in experts) / n

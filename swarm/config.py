@@ -221,7 +221,9 @@ class SyncConfig:
     # by default: on GPU peers over 100 Mbit/s its rounds moved 0.15 of a fp32 full-model all-reduce, took
     # 1.25x their payload's link time, and learned no worse than fp32 (benchmarks/README.md). fp32 averages
     # exactly, for peers whose CPUs rather than links limit a round
-    codec: Literal["fp32", "fp16", "int8"] = "int8"
+    codec: Literal["fp32", "fp16", "int8", "int4"] = "int8"
+    # the dense group's all-reduce ("": as ``codec``); the expert groups and copies' changes use ``codec``
+    dense_codec: Literal["", "fp32", "fp16", "int8", "int4"] = ""
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1

@@ -233,6 +233,15 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
 
 
+def test_wan_codecs_are_one_codec_or_the_experts_and_the_dense_groups():
+    from benchmarks.wan import parse_args
+
+    assert parse_args(["--codecs", "int8/int4,fp32"]).codecs == ["int8/int4", "fp32"]
+    for bad in ("int3", "int8/int3", "int8/"):
+        with pytest.raises(SystemExit):
+            parse_args(["--codecs", bad])
+
+
 def test_wan_round_fit_separates_a_rounds_fixed_seconds_from_its_payloads():
     from benchmarks.wan import round_fit
 

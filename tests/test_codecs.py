@@ -6,7 +6,15 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
 from swarm.net.hivemind_codecs import hivemind_compression
-from swarm.sync.codecs import BLOCK, EXACT_MAX, codec_named, int8_decode, int8_encode
+from swarm.sync.codecs import (
+    BLOCK,
+    EXACT_MAX,
+    blockwise_decode,
+    blockwise_encode,
+    codec_named,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 
 def _randn(*shape, seed=0):
@@ -20,44 +28,56 @@ def test_fp32_is_exact_and_fp16_within_its_relative_error():
     assert 0 < err.max() and bool((err <= x.abs() * 2**-11 + 1e-7).all())
 
 
-def test_int8_error_is_at_most_half_a_step_of_each_block():
+@pytest.mark.parametrize(("name", "levels", "typical"), [("int8", 127, 0.02), ("int4", 7, 0.3)])
+def test_blockwise_error_is_at_most_half_a_step_of_each_block(name, levels, typical):
     x = _randn(10 * BLOCK + 7)
     x[:BLOCK] *= 1000  # one block of large values must not spoil the precision of the others
-    got = codec_named("int8").roundtrip(x)
+    got = codec_named(name).roundtrip(x)
     pad = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
-    step = (pad.abs().amax(dim=1) / 127).repeat_interleave(BLOCK)[: x.numel()]
+    step = (pad.abs().amax(dim=1) / levels).repeat_interleave(BLOCK)[: x.numel()]
     err = (got - x).abs()
     assert bool((err <= step / 2 * (1 + 1e-5)).all())
-    assert err[BLOCK:].max() < 0.02  # a block of N(0, 1) values: steps of about 3 / 127
+    assert err[BLOCK:].max() < typical  # a block of N(0, 1) values: steps of about 3 / levels
+    assert err[BLOCK:].max() > typical / 10
+
+
+def test_int4_codes_pack_two_to_a_byte_and_unpack_to_the_same_codes():
+    for n in (1, 2, 7, 2 * BLOCK + 1):
+        codes = torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
+        packed = pack_nibbles(codes)
+        assert packed.dtype == torch.uint8 and packed.numel() == (n + 1) // 2
+        assert torch.equal(unpack_nibbles(packed, n), codes)
 
 
 def test_int8_codes_are_each_value_over_its_blocks_step_rounded_and_decode_to_code_times_step():
     x = _randn(5 * BLOCK + 9, seed=2) * 4
     x[BLOCK : 2 * BLOCK] = 0  # a block of zeros: scale 0, codes 0, decoded 0
-    codes, scales = int8_encode(x)
+    codes, scales = blockwise_encode(x)
     want_scales = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK).abs().amax(dim=1) / 127
     assert torch.equal(scales, want_scales) and scales[1] == 0
     step = torch.where(want_scales > 0, want_scales, 1.0).repeat_interleave(BLOCK)[: x.numel()]
     assert torch.equal(codes, torch.round(x / step).to(torch.int8))
-    decoded = int8_decode(codes, scales, (x.numel(),))
+    decoded = blockwise_decode(codes, scales, (x.numel(),))
     assert torch.equal(decoded, codes.float() * scales.repeat_interleave(BLOCK)[: x.numel()])
     assert not decoded[BLOCK : 2 * BLOCK].any() and decoded.dtype == torch.float32
 
 
 def test_small_tensors_travel_exactly_and_bytes_follow_the_codec():
     w = torch.tensor([1.0, 0.9, 2.5])
-    for name in ("fp16", "int8"):
+    for name in ("fp16", "int8", "int4"):
         assert torch.equal(codec_named(name).roundtrip(w), w)
     n = 64 * 1000
     assert codec_named("fp32").wire_bytes(n) == 4 * n
     assert codec_named("fp16").wire_bytes(n) == 2 * n
     assert codec_named("int8").wire_bytes(n) == n + 4 * 1000
+    assert codec_named("int4").wire_bytes(n) == n // 2 + 4 * 1000
+    assert codec_named("int4").wire_bytes(n + 1) == n // 2 + 1 + 4 * 1001
     assert codec_named("int8").wire_bytes(EXACT_MAX) == 4 * EXACT_MAX
-    with pytest.raises(ValueError, match="unknown codec 'int4'"):
-        codec_named("int4")
+    with pytest.raises(ValueError, match="unknown codec 'int2'"):
+        codec_named("int2")
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4"])
 def test_what_hivemind_sends_decodes_to_roundtrip_bit_for_bit(name):
     codec, x = codec_named(name), _randn(3, 700, seed=1)
     compression = hivemind_compression(codec)
@@ -65,13 +85,13 @@ def test_what_hivemind_sends_decodes_to_roundtrip_bit_for_bit(name):
     # the all-reduce sends parts of a tensor: each part starts a whole number of blocks into the tensor
     part = int(DEFAULT_PART_SIZE_BYTES / (x.element_size() * compression.estimate_compression_ratio(info)))
     assert part % BLOCK == 0
-    for piece in (x, x.reshape(-1)[: 5 * BLOCK]):
+    for piece in (x, x.reshape(-1)[: 5 * BLOCK], x.reshape(-1)[: 5 * BLOCK + 3]):
         wire = deserialize_torch_tensor(compression.compress(piece, info.get_part(0, part)))
         assert torch.equal(wire, codec.roundtrip(piece))
     small = torch.tensor([0.123456789, 7.0])  # the group's weights: exact with every codec
     wire = deserialize_torch_tensor(compression.compress(small, CompressionInfo.from_tensor(small)))
     assert torch.equal(wire, small)
-    if name == "int8":
+    if name in ("int8", "int4"):
         assert len(compression.compress(x, info).buffer) == codec.wire_bytes(x.numel())
 
 

@@ -129,10 +129,15 @@ def test_members_average_to_the_exact_mean_and_serve_copies():
         boot.shutdown()
 
 
-def test_an_int8_group_averages_within_the_codecs_error_and_small_tensors_exactly():
+@pytest.mark.parametrize(("name", "dense_codec", "levels"), [("t_int8", None, 127), ("t_dense", "int4", 7)])
+def test_a_blockwise_group_averages_within_the_codecs_error_and_small_tensors_exactly(
+    name, dense_codec, levels
+):
+    """An int8 group; and a dense group, whose codec may be another (``sync.dense_codec``)."""
     dht1 = start_dht()
     dht2 = start_dht(visible_maddrs(dht1))
     codec, groups = codec_named("int8"), []
+    dense = codec_named(dense_codec) if dense_codec else None
     try:
         sent = [[torch.randn(4096, generator=torch.Generator().manual_seed(i)), torch.tensor([1.0 + i, 0.3])]
                 for i in range(2)]  # fmt: skip
@@ -140,13 +145,13 @@ def test_an_int8_group_averages_within_the_codecs_error_and_small_tensors_exactl
         # (``Timing.matchmaking_left``); hivemind refused such a step, and now it forms once complete
         timing = dataclasses.replace(TIMING, matchmaking_s=12.0)
         for dht in (dht1, dht2):
-            groups.append(HivemindTransport(dht, timing, codec).open("t_int8", sent[0]))
+            groups.append(HivemindTransport(dht, timing, codec, dense_codec=dense).open(name, sent[0]))
         handles = [
             g.start(iter(ts), {}, matchmaking_s=10, expected=2) for g, ts in zip(groups, sent, strict=True)
         ]
         outcomes = [g.outcome(h, timeout=40) for g, h in zip(groups, handles, strict=True)]
         mean = [(a + b) / 2 for a, b in zip(*sent, strict=True)]
-        step = max(t.abs().max().item() for t in (sent[0][0], sent[1][0])) / 127
+        step = max(t.abs().max().item() for t in (sent[0][0], sent[1][0])) / levels
         errors = []
         for out in outcomes:
             assert out.ok, out.reason

@@ -236,6 +236,34 @@ def test_compressed_rounds_send_deltas_and_reach_the_weighted_mean_within_the_co
                 assert torch.allclose(got, w, atol=2 * step)
 
 
+def test_the_dense_group_may_travel_in_a_codec_of_its_own():
+    """``sync.dense_codec: int4`` with ``sync.codec: int8``: the dense all-reduce in 4 bits, expert groups in
+    8, each within its codec's error, and the round's bytes counted by each group's codec."""
+    peers = {"a": [0, 1], "b": [0, 1]}
+    sync = SyncConfig(codec="int8", dense_codec="int4", error_feedback=False, aggregation="mean")
+    swarm = Swarm(peers, sync=sync)
+    for i, p in enumerate(peers):  # tensors large enough to be encoded (the smallest travel exactly)
+        swarm.dense[p] = [torch.randn(40, 50, generator=torch.Generator().manual_seed(i))]
+        swarm.copies[p] = {e: [torch.randn(64, 32, generator=torch.Generator().manual_seed(10 * i + e))] * 4
+                           for e in range(N_EXPERTS)}  # fmt: skip
+    results = swarm.round({p: swarm.plan(p, refresh=False) for p in peers})
+    assert all(results[p].record.rejected == [] for p in peers), {p: results[p].record for p in peers}
+    dense = weighted_mean([(1.0, swarm.dense[p]) for p in peers])[0]
+    absmax = max(swarm.dense[p][0].abs().max().item() for p in peers)
+    errors = [(results[p].dense[1][0] - dense).abs().max().item() for p in peers]
+    assert 2 * absmax / 127 < max(errors) <= 2 * absmax / 7, errors  # int4's steps, not int8's
+    for e in (0, 1):
+        want = weighted_mean([(1.0, swarm.copies[p][e]) for p in peers])[0]
+        step = max(swarm.copies[p][e][0].abs().max().item() for p in peers) / 127
+        for p in peers:
+            assert (results[p].experts[e][1][0] - want).abs().max() <= 2 * step
+    int4, int8 = (swarm.ctx["a"].payloads.codec_for(spec) for spec, _ in swarm.plan("a").groups)
+    assert (int4.name, int8.name) == ("int4", "int8")
+    # a pair's butterfly: each group's payload out, half in reduce-scatter and half in all-gather
+    want = int4.wire_bytes(2000) + 8 * int8.wire_bytes(2048)  # two experts of four tensors
+    assert [results[p].record.bytes_sent for p in peers] == [want, want]
+
+
 def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():
     peers = {"a": [0, 1], "b": [2, 3]}
     swarm = Swarm(peers, sync=SyncConfig(codec="int8"))

@@ -4,7 +4,7 @@
 
 A received tensor part is decoded by the compression type written in its message, from hivemind's table of
 types, so the int8 codec is registered in that table under ``BLOCKWISE_8BIT`` (hivemind's own needs
-bitsandbytes, which the swarm does not use) when this module is imported, before any averager process is
+bitsandbytes, which the swarm does not use) and int4 under ``UNIFORM_8BIT`` when this module is imported, before any averager process is
 forked. Tensors of at most ``EXACT_MAX`` values travel as fp32 (type ``NONE``) with every codec, as
 ``Codec.roundtrip`` assumes. The encoding is ``swarm.sync.codecs``'s, in torch only (hivemind's 8-bit
 quantizers fail under numpy 2, NOTES.md).
@@ -23,7 +23,16 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
-from swarm.sync.codecs import BLOCK, EXACT_MAX, Codec, int8_decode, int8_encode
+from swarm.sync.codecs import (
+    BLOCK,
+    EXACT_MAX,
+    Codec,
+    blockwise_decode,
+    blockwise_encode,
+    levels,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 _EXACT = NoCompression()
 
@@ -60,7 +69,7 @@ class Int8Blockwise(CompressionBase):
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        codes, scales = int8_encode(tensor)
+        codes, scales = blockwise_encode(tensor)
         return runtime_pb2.Tensor(
             compression=self.compression_type,
             buffer=scales.numpy().tobytes() + codes.numpy().tobytes(),
@@ -78,7 +87,7 @@ class Int8Blockwise(CompressionBase):
             raise ValueError(f"int8 tensor of {len(buf)} bytes for shape {shape}")
         scales = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=n_scales).copy())
         codes = torch.from_numpy(np.frombuffer(buf, dtype=np.int8, offset=4 * n_scales).copy())
-        return int8_decode(codes, scales, shape)
+        return blockwise_decode(codes, scales, shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # used only to size the all-reduce's parts: a quarter of fp32 makes every part a whole number of
@@ -86,13 +95,50 @@ class Int8Blockwise(CompressionBase):
         return 0.25
 
 
+class Int4Blockwise(CompressionBase):
+    """int4 codes two to a byte plus an fp32 absmax scale per block: buffer = scales, then packed codes.
+    Sent as hivemind's ``UNIFORM_8BIT`` type, which the swarm does not otherwise use."""
+
+    compression_type = runtime_pb2.CompressionType.UNIFORM_8BIT
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        codes, scales = blockwise_encode(tensor, levels("int4"))
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.numpy().tobytes() + pack_nibbles(codes).numpy().tobytes(),
+            size=tensor.shape,
+            dtype="float32",
+            requires_grad=False,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        n = int(np.prod(shape))
+        n_scales = -(-n // BLOCK)
+        buf = serialized_tensor.buffer
+        if len(buf) != 4 * n_scales + -(-n // 2):
+            raise ValueError(f"int4 tensor of {len(buf)} bytes for shape {shape}")
+        scales = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=n_scales).copy())
+        packed = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, offset=4 * n_scales).copy())
+        return blockwise_decode(unpack_nibbles(packed, n), scales, shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 0.25  # as int8's: parts of whole blocks (and of an even number of values)
+
+
 class Int8Codec(_SmallExact):
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
     inner = Int8Blockwise()
 
 
+class Int4Codec(_SmallExact):
+    compression_type = runtime_pb2.CompressionType.UNIFORM_8BIT
+    inner = Int4Blockwise()
+
+
 serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = Int8Blockwise()
+serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Int4Blockwise()
 
 
 def hivemind_compression(codec: Codec) -> CompressionBase:
-    return {"fp32": NoCompression, "fp16": Fp16Codec, "int8": Int8Codec}[codec.name]()
+    return {"fp32": NoCompression, "fp16": Fp16Codec, "int8": Int8Codec, "int4": Int4Codec}[codec.name]()

@@ -91,10 +91,13 @@ class HivemindTransport:
         codec: Codec = CODECS["fp32"],
         rule: AggregationRule | None = None,
         max_copy_bytes: int | None = None,
+        dense_codec: Codec | None = None,
     ) -> None:
-        """``rule``: how our averagers reduce their parts (``swarm.sync.robust_mean``; None: the mean);
-        ``max_copy_bytes``: the largest served copy ``fetch`` takes (``copy_bound``); None: any."""
+        """``codec``: how expert groups' all-reduces travel, ``dense_codec`` the dense group's (default:
+        ``codec``); ``rule``: how our averagers reduce their parts (``swarm.sync.robust_mean``; None: the
+        mean); ``max_copy_bytes``: the largest served copy ``fetch`` takes (``copy_bound``); None: any."""
         self.dht, self.timing, self.codec, self.rule = dht, timing, codec, rule
+        self.dense_codec = dense_codec or codec
         self.max_copy_bytes = max_copy_bytes
         self.me = dht.peer_id.to_base58()
 
@@ -110,7 +113,7 @@ class HivemindTransport:
             allreduce_timeout=t.round_s,
             request_timeout=t.request_s,
             late_s=t.late_s,
-            compression=hivemind_compression(self.codec),
+            compression=hivemind_compression(self.dense_codec if name.endswith(DENSE_SUFFIX) else self.codec),
             serve_compression=self._serving(name, serve_codec),
             rule=self.rule,
         )

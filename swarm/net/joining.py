@@ -89,9 +89,9 @@ def open_swarm_sync(
 
     timing = Timing.from_config(cfg.sync)
     rule = aggregation_rule(cfg.sync.aggregation, cfg.sync.clip_factor)
-    codec = codec_named(cfg.sync.codec)
+    codec, dense_codec = codec_named(cfg.sync.codec), codec_named(cfg.sync.dense_codec or cfg.sync.codec)
     store = HivemindStore(dht)
-    transport = HivemindTransport(dht, timing, codec, rule, max_copy_bytes=copy_bound(model))
+    transport = HivemindTransport(dht, timing, codec, rule, copy_bound(model), dense_codec)
     members = Membership(
         store, transport.me, cfg.run_id, timing, list(model.local_experts), cfg.model.n_experts,
         cfg.sync.orphan_grace_s, visible_maddrs(dht),

@@ -104,7 +104,7 @@ def settle_replicas(sync, model: MoETransformer) -> tuple[list[str], list[str]]:
     settled = agree_on_final_copies(
         ctx.store, ctx.run_id, ctx.me, items, fetch, serve, ctx.timing.final_agreement_s,
         sync.sc.max_rel_distance, ctx.timing.final_window_s, ctx.timing.final_wait_s,
-        tolerance=0.0 if not ctx.payloads.codec.lossless else REL_TOLERANCE, still_coming=still_coming,
+        tolerance=0.0 if not ctx.payloads.lossless else REL_TOLERANCE, still_coming=still_coming,
     )  # fmt: skip
     # what every non-holder must end with: our copies as settled
     ctx.server.update({e: ts for e, ts in live.items() if e != DENSE}, step, final=True)

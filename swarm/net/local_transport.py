@@ -59,6 +59,7 @@ POLL_S = 0.02  # how often a waiting member looks whether its group has formed
 @dataclass
 class _Formation:
     closes_at: float
+    codec: Codec
     sent: dict[str, tuple[list[torch.Tensor], dict[str, Any]]] = field(default_factory=dict)
     results: dict[str, GroupOutcome] | None = None
 
@@ -72,8 +73,10 @@ class LocalNetwork:
         faults: Sequence[Fault] = (),
         codec: Codec = CODECS["fp32"],
         rule: AggregationRule | None = None,
+        dense_codec: Codec | None = None,
     ) -> None:
         self.matchmaking_s, self.faults, self.codec, self.rule = matchmaking_s, list(faults), codec, rule
+        self.dense_codec = dense_codec or codec  # the dense group's (its name ends with "_dense")
         self.lock = threading.Lock()
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[tuple[str, bool], _Formation] = {}
@@ -106,7 +109,8 @@ class LocalNetwork:
             form = self.forming.get(key)
             if form is None or form.results is not None or time.time() >= form.closes_at:
                 closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
-                form = self.forming[key] = _Formation(closes)
+                codec = self.dense_codec if name.endswith("_dense") else self.codec
+                form = self.forming[key] = _Formation(closes, codec)
             form.sent[me] = (tensors, info)
             if expected is not None and len(form.sent) >= expected:  # complete: it begins now
                 form.closes_at = min(form.closes_at, time.time())
@@ -122,7 +126,7 @@ class LocalNetwork:
                 form.results = {m: GroupOutcome(False, "no group formed") for m in members}
                 return
             sent = {m: self._sent(m, *form.sent[m]) for m in members}
-            received = [[self.codec.roundtrip(t) for t in ts] for ts in sent.values()]
+            received = [[form.codec.roundtrip(t) for t in ts] for ts in sent.values()]
             reduce = self.rule or (lambda stacked: stacked.mean(0))
             mean = [reduce(torch.stack(ts)) for ts in zip(*received, strict=True)]
             infos = {m: form.sent[m][1] for m in members}
@@ -130,8 +134,8 @@ class LocalNetwork:
             dropped = [m for m in members if self.fault("drop", m, infos[m])]
             for k, m in enumerate(members):
                 result = [t.clone() for t in mean]
-                if not self.codec.lossless:  # what comes back is encoded, but for the share it reduced
-                    result = [o + self.codec.roundtrip(a - o) for a, o in zip(mean, sent[m], strict=True)]
+                if not form.codec.lossless:  # what comes back is encoded, but for the share it reduced
+                    result = [o + form.codec.roundtrip(a - o) for a, o in zip(mean, sent[m], strict=True)]
                     _keep_share(result, mean, k, len(members))
                 if m in dropped:
                     form.results[m] = GroupOutcome(False, "left during the all-reduce")

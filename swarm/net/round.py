@@ -52,7 +52,6 @@ from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
 from swarm.net.timing import Timing
 from swarm.net.transport import DigestExchange, Group, GroupOutcome, GroupTransport, Store
-from swarm.sync.codecs import codec_named
 from swarm.train.round_record import RoundRecord
 
 ROBUST_PAIR = "a pair while three or more peers are in view: no majority to bound a rogue member"
@@ -114,8 +113,7 @@ class RoundContext:
 
     def __post_init__(self) -> None:
         if self.payloads is None:
-            payloads = Payloads(codec_named(self.sync.codec), self.sync.error_feedback)
-            object.__setattr__(self, "payloads", payloads)
+            object.__setattr__(self, "payloads", Payloads.for_sync(self.sync))
         if self.digests is None:
             object.__setattr__(self, "digests", StoreDigests(self.store, self.me))
 
@@ -123,7 +121,8 @@ class RoundContext:
     def build(cls, cfg: RunConfig, store: Store, transport: GroupTransport, timing: Timing) -> RoundContext:
         """A peer's: its expert server (and, with a lossy codec, the server of its experts' changes), its
         downloads, groups and payloads."""
-        codec, name = codec_named(cfg.sync.codec), f"{cfg.run_id}_experts"
+        payloads, name = Payloads.for_sync(cfg.sync), f"{cfg.run_id}_experts"
+        codec = payloads.codec  # the experts': their groups', and their copies' changes
         deltas = None if codec.lossless else transport.open_server(f"{cfg.run_id}_expert_deltas", codec)
         server = ExpertServer(transport.open_server(name), deltas, codec)
         changes = (deltas.name, codec) if deltas else None
@@ -133,7 +132,7 @@ class RoundContext:
         )
         return cls(
             cfg.run_id, transport.me, store, timing, cfg.sync, cfg.model.n_experts, OpenGroups(transport),
-            server, downloads, Payloads(codec, cfg.sync.error_feedback), digests,
+            server, downloads, payloads, digests,
         )  # fmt: skip
 
 
@@ -254,7 +253,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         if not why and _unbounded_pair(spec, size, ctx, view):
             why, published = ROBUST_PAIR, None
         checked.append((spec, group, payload, outcome, size, why, published))
-    sent, codec, phases = 0, ctx.payloads.codec, Phases(rec, t0)
+    sent, phases = 0, Phases(rec, t0)
     formed = [c[3].formed_at for c in checked if c[3].formed_at is not None]
     if formed:  # the first group's: waiting for members, then the all-reduce (until the last outcome)
         phases.end("matchmaking", at=formed[0])
@@ -262,7 +261,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     averaged: dict[str, list[torch.Tensor]] = {}
     behind = None  # (the dense group, its entry in rec.rejected) after a partial round of ours
     for spec, group, payload, outcome, size, why, published in checked:
-        got, was_started = None, payload is not None
+        got, was_started, codec = None, payload is not None, ctx.payloads.codec_for(spec)
         if published is not None:
             got, why = confirm_outcome(
                 spec, outcome, ctx, local, payload, published, deadline, rec.check_seconds

@@ -140,7 +140,7 @@ def confirm_outcome(
     # until the round's own deadline: a member may come to this group only after waiting on another one
     timeout = max(0.5, deadline - time.monotonic())
     key, mine = published
-    tolerance = ctx.payloads.codec.tolerance
+    tolerance = ctx.payloads.codec_for(spec).tolerance
     floor = None if isinstance(payload.tensors, Iterator) else abs_sums(payload.tensors)
     ok, why = await_digests(
         ctx.digests, key, ctx.me, list(outcome.members), mine, timeout, tolerance, floor,

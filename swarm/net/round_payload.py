@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.net.group_layout import GroupSpec, pack, unpack
-from swarm.sync.codecs import Codec
+from swarm.config import SyncConfig
+from swarm.net.group_layout import DENSE, GroupSpec, pack, unpack
+from swarm.sync.codecs import Codec, codec_named
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,26 @@ class SentPayload:
 class Payloads:
     """See the module docstring. Used by the round thread; ``forget`` may come from another thread."""
 
-    def __init__(self, codec: Codec, error_feedback: bool = True) -> None:
-        self.codec, self.error_feedback = codec, error_feedback and not codec.lossless
+    def __init__(self, codec: Codec, error_feedback: bool = True, dense_codec: Codec | None = None) -> None:
+        """``codec``: the expert groups'; ``dense_codec``: the dense group's (default: ``codec``)."""
+        self.codec, self.dense_codec, self.error_feedback = codec, dense_codec or codec, error_feedback
         self._refs: dict[str, tuple[str, dict[str, list[torch.Tensor]]]] = {}
         self._residuals: dict[str, list[torch.Tensor]] = {}
         self._held: dict[str, int] = {}  # rounds applied since the group's reference last moved on
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_sync(cls, sync: SyncConfig) -> Payloads:
+        """A peer's: ``sync.codec`` for expert groups, ``sync.dense_codec`` (or that) for the dense group."""
+        return cls(codec_named(sync.codec), sync.error_feedback, codec_named(sync.dense_codec or sync.codec))
+
+    def codec_for(self, spec: GroupSpec) -> Codec:
+        return self.dense_codec if spec.items == (DENSE,) else self.codec
+
+    @property
+    def lossless(self) -> bool:
+        """Whether every group's codec is: members' results are then equal, not a codec's error apart."""
+        return self.codec.lossless and self.dense_codec.lossless
 
     def reference(self, spec: GroupSpec) -> tuple[str, dict[str, list[torch.Tensor]] | None]:
         """(id, tensors per item) of the group's agreed reference, or ("", None)."""
@@ -89,7 +104,8 @@ class Payloads:
         local: Mapping[str, Sequence[torch.Tensor]],
         weights: Mapping[str, float],
     ) -> SentPayload:
-        if self.codec.lossless:  # one packed tensor at a time into the group's buffers: no extra copy
+        codec = self.codec_for(spec)
+        if codec.lossless:  # one packed tensor at a time into the group's buffers: no extra copy
             return SentPayload(pack(spec, local, weights), "")
         ref_id = self.reference_id(spec)
         with self._lock:
@@ -100,7 +116,7 @@ class Payloads:
         tensors = list(pack(spec, local, weights))
         if residual is not None and len(residual) == len(tensors) - 1:
             tensors = [t + e for t, e in zip(tensors, residual, strict=False)] + [tensors[-1]]
-        return SentPayload(tensors, ref_id, self.codec if self.error_feedback else None)
+        return SentPayload(tensors, ref_id, codec if self.error_feedback else None)
 
     def decode(
         self, spec: GroupSpec, sent: SentPayload, averaged: list[torch.Tensor], sizes: Mapping[str, int]
@@ -124,7 +140,7 @@ class Payloads:
         """The round was applied: the codec's error is the next residual, and its result the group's next
         reference if it ``moves`` on (``round_info.reference_moves``); else the next round's changes are
         against the same reference as this one's were (they include this round's change)."""
-        if self.codec.lossless:
+        if self.codec_for(spec).lossless:
             return
         with self._lock:
             if moves:
