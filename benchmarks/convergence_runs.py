@@ -213,7 +213,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
-    name += "" if coded is None else f"_{codec}"
+    name += "" if coded is None else f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 

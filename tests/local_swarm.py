@@ -49,7 +49,7 @@ class Swarm:
         self.experts, self.sync = experts, sync or SyncConfig(max_rel_distance=4.0, codec="fp32")
         codec = codec_named(self.sync.codec)
         rule = aggregation_rule(self.sync.aggregation, self.sync.clip_factor)
-        dense_codec = codec_named(self.sync.dense_codec or self.sync.codec)
+        dense_codec = codec_named(self.sync.dense_codec_name)
         self.net = LocalNetwork(timing.matchmaking_s, faults, codec, rule, dense_codec)
         self.ctx, self.dense, self.copies = {}, {}, {}
         for i, me in enumerate(experts):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarm.config import ConfigError, RunConfig, config_from_dict, load_config, save_config
+from swarm.config import ConfigError, RunConfig, SyncConfig, config_from_dict, load_config, save_config
 
 
 @pytest.mark.parametrize("name", ["demo", "spes-1b", "spes-7b"])
@@ -115,3 +115,12 @@ def test_groups_meet_before_a_slot_by_prematch_s_at_most_a_quarter_of_it():
     assert SyncConfig(sync_every_s=4, prematch_s=2.0).prematch_window_s == 1.0
     assert SyncConfig(sync_every_s=10, prematch_s=0).prematch_window_s == 0.0
     assert SyncConfig(prematch_s=2.0).prematch_window_s == 0.0  # rounds by steps: no slot to meet before
+
+
+def test_the_dense_weights_travel_in_int4_with_the_int8_default_and_as_the_codec_otherwise():
+    assert SyncConfig().codec == "int8" and SyncConfig().dense_codec_name == "int4"
+    assert SyncConfig(codec="fp32").dense_codec_name == "fp32"  # exact means everywhere, as asked
+    assert SyncConfig(codec="int8", dense_codec="int8").dense_codec_name == "int8"
+    assert SyncConfig(codec="fp16", dense_codec="int4").dense_codec_name == "int4"
+    with pytest.raises(ConfigError, match="sync.dense_codec"):
+        config_from_dict({"sync": {"dense_codec": "int3"}})

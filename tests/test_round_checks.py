@@ -9,6 +9,7 @@ import torch
 
 from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
+from swarm.net.round_payload import Payloads
 from tests.local_swarm import TIMING, Swarm
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,6 +24,21 @@ def test_a_member_with_another_rule_makes_every_member_drop_the_round():
     for p in peers:
         assert results[p].dense is None
         assert any("another rule" in r for r in results[p].record.rejected), results[p].record.rejected
+
+
+def test_a_member_whose_dense_weights_travel_in_another_codec_makes_every_member_drop_that_group():
+    """b runs int8 for everything, a the default (int8, the dense weights in int4): their tolerances and
+    errors differ, so both drop the dense group; their expert group (int8 on both) is applied."""
+    peers = {"a": [0, 1], "b": [0, 1]}
+    swarm = Swarm(peers, sync=SyncConfig(codec="int8", aggregation="mean"))
+    other = SyncConfig(codec="int8", dense_codec="int8", aggregation="mean")
+    swarm.ctx["b"] = dataclasses.replace(swarm.ctx["b"], sync=other, payloads=Payloads.for_sync(other))
+    results = swarm.round({p: swarm.plan(p, refresh=False) for p in peers})
+    for p in peers:
+        assert results[p].dense is None and sorted(results[p].experts) == [0, 1], results[p].record
+        assert [r for r in results[p].record.rejected if "another codec" in r] == [
+            "dense: a member's tensors travel in another codec (sync.codec, sync.dense_codec)"
+        ], results[p].record.rejected
 
 
 def test_a_member_that_exchanges_digests_another_way_makes_every_member_drop_the_round():

@@ -104,3 +104,25 @@ def test_a_digest_is_each_segments_sum_of_magnitudes_and_its_sum_under_the_repea
     assert all(abs(g - w) <= 1e-6 * s + 1e-9 for g, w, s in zip(got, want, scale, strict=True))
     assert got[0::2] == pytest.approx(want[0::2], rel=1e-12)
     assert abs_sums(tensors) == got[0::2]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_lossy_groups_members_agree_within_the_codecs_tolerance_but_not_with_a_part_left_unaveraged(name):
+    """Four members' results after a lossy all-reduce (each gets mean - own back encoded) differ by the
+    codec's error, which the codec's tolerance admits; a member whose quarter of the tensor kept its own
+    values (a partial round) is refused. Tensors of the sizes of a small model's router and attention."""
+    from swarm.net.round_consensus import abs_sums, digest
+    from swarm.sync.codecs import codec_named
+
+    codec = codec_named(name)
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        sent = [[torch.randn(4096, generator=g), torch.randn(256, 256, generator=g)] for _ in range(4)]
+        mean = [torch.stack([codec.roundtrip(s[i]) for s in sent]).mean(0) for i in range(2)]
+        results = [[o + codec.roundtrip(m - o) for m, o in zip(mean, s, strict=True)] for s in sent]
+        floor = abs_sums(sent[0])
+        for other in results[1:]:
+            assert digests_agree(digest(results[0]), digest(other), codec.tolerance, floor)
+        partial = [t.clone() for t in results[1]]
+        partial[0][:1024], partial[1][:64] = sent[1][0][:1024], sent[1][1][:64]
+        assert not digests_agree(digest(results[0]), digest(partial), codec.tolerance, floor)

@@ -10,11 +10,15 @@ def _info(reference: str = "r1", quorum: int = 4, held: int = 0) -> RoundInfo:
 def test_an_info_survives_the_wire_and_implausible_counts_are_refused():
     info = _info(quorum=3, held=2)
     assert RoundInfo.from_msg(info.to_msg(), 1) == info
-    older = {k: v for k, v in info.to_msg().items() if k not in ("quorum", "held")}  # a peer before them
+    older = {k: v for k, v in info.to_msg().items() if k not in ("quorum", "held", "codec")}  # a peer before
     assert RoundInfo.from_msg(older, 1) == _info(quorum=0, held=0)
     for bad in (-1, 1.5, True, "3", None, 1 << 30):
         for key in ("quorum", "held"):
             assert RoundInfo.from_msg(info.to_msg() | {key: bad}, 1) is None, (key, bad)
+    named = RoundInfo(10, 2, False, (1.0,), "r1", "mean", "direct", 4, 0, "int4")
+    assert RoundInfo.from_msg(named.to_msg(), 1) == named
+    for bad in ("int3", 4, None, ["int4"]):
+        assert RoundInfo.from_msg(named.to_msg() | {"codec": bad}, 1) is None, bad
 
 
 def test_the_reference_moves_only_with_every_member_each_expected_or_once_held_long_enough():

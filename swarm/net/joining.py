@@ -89,7 +89,7 @@ def open_swarm_sync(
 
     timing = Timing.from_config(cfg.sync)
     rule = aggregation_rule(cfg.sync.aggregation, cfg.sync.clip_factor)
-    codec, dense_codec = codec_named(cfg.sync.codec), codec_named(cfg.sync.dense_codec or cfg.sync.codec)
+    codec, dense_codec = codec_named(cfg.sync.codec), codec_named(cfg.sync.dense_codec_name)
     store = HivemindStore(dht)
     transport = HivemindTransport(dht, timing, codec, rule, copy_bound(model), dense_codec)
     members = Membership(

@@ -22,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarm.net.group_layout import DENSE, GroupSpec, expected_members, reference_quorum
-from swarm.net.round_checks import weighted
-from swarm.net.round_info import RoundInfo
+from swarm.net.group_layout import DENSE, GroupSpec, expected_members
+from swarm.net.round_checks import our_info
 from swarm.net.transport import Group
 
 if TYPE_CHECKING:
@@ -71,12 +70,8 @@ class Prematch:
         for spec, group in groups:
             if alone and spec.items == (DENSE,):
                 continue
-            ws = tuple(weights[i] if weighted(ctx) else 1.0 for i in spec.items)
             reference = ctx.payloads.reference_id(spec)
-            info = RoundInfo(
-                step, index, False, ws, reference, ctx.sync.aggregation, ctx.sync.digests,
-                reference_quorum(spec, view, ctx.me), ctx.payloads.held(spec),
-            )  # fmt: skip
+            info = our_info(ctx, spec, view, step, index, False, weights, reference)
             try:
                 handle = group.prematch(
                     info.to_msg(), scheduled, ctx.timing.matchmaking_left(slot, scheduled),

@@ -38,14 +38,13 @@ from swarm.net.group_layout import (
     expected_members,
     expert_item,
     pack,
-    reference_quorum,
 )
 from swarm.net.membership import MembershipView
 from swarm.net.prematch import Prematched, leave
-from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, weighted
+from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, our_info, weighted
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.round_downloads import Gate, RoundDownloads
-from swarm.net.round_info import REFERENCES_DIFFER, RoundInfo
+from swarm.net.round_info import REFERENCES_DIFFER
 from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads
 from swarm.net.round_phases import Phases
@@ -197,18 +196,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         weights = {item: plan.weights[item] if weighted(ctx) else 1.0 for item in spec.items}
         try:
             payload = ctx.payloads.encode(spec, local, weights)
-            ws = tuple(weights[i] for i in spec.items)
-            info = RoundInfo(
-                plan.step,
-                plan.index,
-                plan.last,
-                ws,
-                payload.reference,
-                ctx.sync.aggregation,
-                ctx.sync.digests,
-                reference_quorum(spec, view, ctx.me),
-                ctx.payloads.held(spec),
-            )
+            info = our_info(ctx, spec, view, plan.step, plan.index, plan.last, weights, payload.reference)
             if early is not None and early.reference == payload.reference:
                 handle = group.trigger(early.handle, payload.tensors)
                 rec.met_early.append(_label(spec))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.net.group_layout import GroupSpec
+from swarm.net.group_layout import GroupSpec, reference_quorum
 from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key
 from swarm.net.round_info import (
     REFERENCES_DIFFER,
@@ -30,6 +30,7 @@ from swarm.net.transport import GroupOutcome
 from swarm.sync import RejectedTensor, check_tensors
 
 if TYPE_CHECKING:
+    from swarm.net.membership import MembershipView
     from swarm.net.round import RoundContext
 
 
@@ -71,6 +72,20 @@ def weighted(ctx: RoundContext) -> bool:
     return ctx.sync.aggregation == "mean"
 
 
+def our_info(
+    ctx: RoundContext, spec: GroupSpec, view: MembershipView, step: int, index: int, last: bool,
+    weights: Mapping[str, float], reference: str,
+) -> RoundInfo:  # fmt: skip
+    """What we tell the other members of ``spec``'s group this round (a robust rule weights every member
+    alike: then a weight is only what a member says of itself)."""
+    ws = tuple(weights[i] if weighted(ctx) else 1.0 for i in spec.items)
+    quorum, codec = reference_quorum(spec, view, ctx.me), ctx.payloads.codec_for(spec).name
+    return RoundInfo(
+        step, index, last, ws, reference, ctx.sync.aggregation, ctx.sync.digests, quorum,
+        ctx.payloads.held(spec), codec,
+    )  # fmt: skip
+
+
 def check_outcome(
     spec: GroupSpec,
     outcome: GroupOutcome,
@@ -93,6 +108,8 @@ def check_outcome(
         return size, "a member aggregates by another rule (sync.aggregation)", None
     if any(i.digests != ctx.sync.digests for i in infos):  # their digests would never reach each other
         return size, "a member exchanges digests another way (sync.digests)", None
+    if any(i.codec != ctx.payloads.codec_for(spec).name for i in infos):  # tolerances and errors differ
+        return size, "a member's tensors travel in another codec (sync.codec, sync.dense_codec)", None
     if any(i.last != last for i in infos):
         # a last round must not mix with an ordinary one: the peer in the ordinary round trains on and we
         # would end holding a copy it never had (every member sees the same infos and drops it)

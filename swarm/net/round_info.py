@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.sync.codecs import CODECS
 from swarm.sync.robust_mean import AGGREGATIONS
 
 # weights are tokens in units of one sync interval's batches: a peer cannot plausibly report more than this
@@ -41,6 +42,9 @@ class RoundInfo:
     digests: str = "dht"  # how we exchange round digests (``sync.digests``): every member must use the same
     quorum: int = 0  # how many members our reference waits for before it moves on (``reference_moves``)
     held: int = 0  # rounds we applied since our reference last moved on
+    codec: str = (
+        ""  # how our group's tensors travel (``sync.codec``, ``sync.dense_codec``): every member's must match
+    )
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -53,6 +57,7 @@ class RoundInfo:
             "digests": self.digests,
             "quorum": self.quorum,
             "held": self.held,
+            "codec": self.codec,
         }
 
     @classmethod
@@ -63,8 +68,9 @@ class RoundInfo:
         step, index, last, weights = (value.get(k) for k in ("step", "round", "last", "weights"))
         reference, rule = value.get("ref", ""), value.get("rule", "mean")
         digests = value.get("digests", "dht")  # peers before ``sync.digests`` used the DHT
-        if rule not in AGGREGATIONS or digests not in DIGEST_EXCHANGES:  # also anything unhashable
-            return None
+        codec = value.get("codec", "")  # "": a peer from before codecs were named (it fits no group now)
+        if rule not in AGGREGATIONS or digests not in DIGEST_EXCHANGES or codec not in ("", *CODECS):
+            return None  # also anything unhashable
         quorum, held = value.get("quorum", 0), value.get("held", 0)  # 0: a peer from before these fields
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index, quorum, held)):
             return None
@@ -78,7 +84,7 @@ class RoundInfo:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
         return cls(
-            step, index, last, tuple(float(w) for w in weights), reference, rule, digests, quorum, held
+            step, index, last, tuple(float(w) for w in weights), reference, rule, digests, quorum, held, codec
         )
 
 

@@ -1,16 +1,16 @@
 """What a group sends in a round: with a lossy codec, the change since the last agreed state (the outer
 gradient) plus what the codec dropped last time; with fp32, the weights themselves.
 
-    payloads = Payloads(codec_named("int8"), error_feedback=True)
+    payloads = Payloads(codec_named("int8"), error_feedback=True, dense_codec=codec_named("int4"))
     sent = payloads.encode(spec, local, weights)       # SentPayload: tensors for group.start, its reference id
     averages = payloads.decode(spec, sent, averaged)   # {item: reference + mean delta}: the average of weights
     payloads.commit(spec, sent, averages, new_id)      # once every member agreed: the next reference
 
-Each member of a group keeps the group's last agreed result as its reference, moved on only by a round
-that had every member its members expected (``round_info.reference_moves``): after a round that a group
-split, or that a joiner missed, its members' references would differ at their next round together. A delta is small next to the
+Each member of a group keeps the group's last agreed result as its reference. A delta is small next to the
 weights, so the codec's error is small next to the weights too; and mean(x - r) + r = mean(x) exactly when
-every member used the same r. Members name their reference in their round info: if they differ (a member
+every member used the same r. A round short of members that some member expected does not move the
+reference on (``round_info.reference_moves``): after a group split, or a round a joiner missed, members'
+references would otherwise differ at their next round together. Its change is then part of the next one's. Members name their reference in their round info: if they differ (a member
 missed a round, or joined since), the result is meaningless and every member drops it. The members whose
 reference is the most common one keep it; the others forget theirs. A dense group's member then takes that
 reference from a member that has it (every member serves its reference: ``run_round``), so the next round
@@ -67,7 +67,7 @@ class Payloads:
     @classmethod
     def for_sync(cls, sync: SyncConfig) -> Payloads:
         """A peer's: ``sync.codec`` for expert groups, ``sync.dense_codec`` (or that) for the dense group."""
-        return cls(codec_named(sync.codec), sync.error_feedback, codec_named(sync.dense_codec or sync.codec))
+        return cls(codec_named(sync.codec), sync.error_feedback, codec_named(sync.dense_codec_name))
 
     def codec_for(self, spec: GroupSpec) -> Codec:
         return self.dense_codec if spec.items == (DENSE,) else self.codec

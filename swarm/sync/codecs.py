@@ -67,7 +67,7 @@ CODECS = {
     "fp32": Codec("fp32", 32.0, 1e-4),
     "fp16": Codec("fp16", 16.0, 1e-3),
     "int8": Codec("int8", 8.0 + 32.0 / BLOCK, 2e-2),
-    "int4": Codec("int4", 4.0 + 32.0 / BLOCK, 2e-1),
+    "int4": Codec("int4", 4.0 + 32.0 / BLOCK, 1e-1),
 }
 CODE_BITS = {"int8": 8, "int4": 4}  # the blockwise codecs: bits of a value's code
 
