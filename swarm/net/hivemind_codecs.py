@@ -25,6 +25,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.sync.codecs import (
     BLOCK,
+    CODE_BITS,
     EXACT_MAX,
     Codec,
     blockwise_decode,
@@ -63,16 +64,18 @@ class Fp16Codec(_SmallExact):
     inner = Float16Compression()
 
 
-class Int8Blockwise(CompressionBase):
-    """int8 codes plus an fp32 absmax scale per block: buffer = scales, then codes."""
+class _Blockwise(CompressionBase):
+    """A blockwise codec's codes (int8 as they are, int4 two to a byte) plus an fp32 absmax scale per block:
+    buffer = scales, then codes."""
 
-    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    name: str  # the codec's (``swarm.sync.codecs``)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        codes, scales = blockwise_encode(tensor)
+        codes, scales = blockwise_encode(tensor, levels(self.name))
+        body = codes if CODE_BITS[self.name] == 8 else pack_nibbles(codes)
         return runtime_pb2.Tensor(
             compression=self.compression_type,
-            buffer=scales.numpy().tobytes() + codes.numpy().tobytes(),
+            buffer=scales.numpy().tobytes() + body.numpy().tobytes(),
             size=tensor.shape,
             dtype="float32",
             requires_grad=False,
@@ -80,50 +83,33 @@ class Int8Blockwise(CompressionBase):
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         shape = tuple(serialized_tensor.size)
-        n = int(np.prod(shape))
+        n, bits = int(np.prod(shape)), CODE_BITS[self.name]
         n_scales = -(-n // BLOCK)
         buf = serialized_tensor.buffer
-        if len(buf) != 4 * n_scales + n:
-            raise ValueError(f"int8 tensor of {len(buf)} bytes for shape {shape}")
+        if len(buf) != 4 * n_scales + -(-n * bits // 8):
+            raise ValueError(f"{self.name} tensor of {len(buf)} bytes for shape {shape}")
         scales = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=n_scales).copy())
-        codes = torch.from_numpy(np.frombuffer(buf, dtype=np.int8, offset=4 * n_scales).copy())
+        body = np.frombuffer(buf, dtype=np.int8 if bits == 8 else np.uint8, offset=4 * n_scales).copy()
+        codes = torch.from_numpy(body) if bits == 8 else unpack_nibbles(torch.from_numpy(body), n)
         return blockwise_decode(codes, scales, shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # used only to size the all-reduce's parts: a quarter of fp32 makes every part a whole number of
-        # blocks from its tensor's start, so the wire's blocks are those ``Codec.roundtrip`` computes
+        # blocks (and of bytes) from its tensor's start, so the wire's blocks are those ``Codec.roundtrip``
+        # computes
         return 0.25
 
 
-class Int4Blockwise(CompressionBase):
-    """int4 codes two to a byte plus an fp32 absmax scale per block: buffer = scales, then packed codes.
-    Sent as hivemind's ``UNIFORM_8BIT`` type, which the swarm does not otherwise use."""
+class Int8Blockwise(_Blockwise):
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    name = "int8"
+
+
+class Int4Blockwise(_Blockwise):
+    """Sent as hivemind's ``UNIFORM_8BIT`` type, which the swarm does not otherwise use."""
 
     compression_type = runtime_pb2.CompressionType.UNIFORM_8BIT
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        codes, scales = blockwise_encode(tensor, levels("int4"))
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=scales.numpy().tobytes() + pack_nibbles(codes).numpy().tobytes(),
-            size=tensor.shape,
-            dtype="float32",
-            requires_grad=False,
-        )
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        n = int(np.prod(shape))
-        n_scales = -(-n // BLOCK)
-        buf = serialized_tensor.buffer
-        if len(buf) != 4 * n_scales + -(-n // 2):
-            raise ValueError(f"int4 tensor of {len(buf)} bytes for shape {shape}")
-        scales = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=n_scales).copy())
-        packed = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, offset=4 * n_scales).copy())
-        return blockwise_decode(unpack_nibbles(packed, n), scales, shape)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 0.25  # as int8's: parts of whole blocks (and of an even number of values)
+    name = "int4"
 
 
 class Int8Codec(_SmallExact):
