@@ -191,7 +191,8 @@ def _errors(results, want, peers):
 
 def test_compressed_rounds_send_deltas_and_reach_the_weighted_mean_within_the_codec_error():
     peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    sync = SyncConfig(codec="int8", error_feedback=False, aggregation="mean")  # see test_round_payload
+    # int8 for the dense weights too (see test_round_payload for error feedback)
+    sync = SyncConfig(codec="int8", dense_codec="int8", error_feedback=False, aggregation="mean")
     swarm = Swarm(peers, sync=sync)
     for i, p in enumerate(peers):  # tensors large enough to be encoded (the smallest travel exactly)
         g = torch.Generator().manual_seed(i)

@@ -65,7 +65,9 @@ def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_r
     # rounds on the wall clock: four peers' step counts drift apart on a busy machine, and rounds on steps
     # then split into two pairs now and then (each rejected: no majority), leaving too few rounds to test
     sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0)
-    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
+    net = LocalNetwork(
+        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
+    )
     experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
     peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
     out = run(peers, steps=36)
@@ -98,7 +100,9 @@ def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_aft
     the round begins), an int8 round's payload is still the change since the agreed result, and the last
     round (met at its own scheduled time) leaves every replica alike."""
     sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, prematch_s=0.4)
-    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s, codec=codec_named("int8"))
+    net = LocalNetwork(
+        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
+    )
     experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
     peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
     out = run(peers, steps=36)
