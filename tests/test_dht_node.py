@@ -1,5 +1,7 @@
 """A DHT node started with an identity: the same place in the DHT after a restart (real hivemind nodes)."""
 
+from pathlib import Path
+
 import pytest
 
 from swarm.net.dht_node import start_dht, visible_maddrs
@@ -73,3 +75,42 @@ def test_the_request_pipe_still_ends_when_its_writers_are_gone():
     outer.close()  # the parent is gone: the loop must end, not spin on errors
     with pytest.raises(EOFError):
         requests.recv()
+
+
+def test_a_node_removes_the_socket_its_p2p_daemon_left_behind():
+    """hivemind's daemon sometimes dies without removing its socket (a peer refused for another model's
+    fingerprint stops its node a second after starting it). Here it is killed outright; the node's
+    shutdown finds its socket with nobody listening and removes it, and a normal shutdown leaves none."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    for kill in (True, False):
+        dht = start_dht([])
+        path = dht.daemon_socket
+        assert path is not None and path.exists() and path.name.startswith("hivemind-p2pd-")
+        if kill:
+            pids = [
+                int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _cmdline_has(d, path)
+            ]
+            assert len(pids) == 1, pids
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while (
+                time.monotonic() < deadline and subprocess.run(["kill", "-0", str(pids[0])]).returncode == 0
+            ):
+                time.sleep(
+                    0.05
+                )  # a zombie until the DHT's process reaps it: the socket file stays either way
+        t = time.monotonic()
+        dht.shutdown()
+        assert not path.exists(), (kill, path)
+        assert time.monotonic() - t < 10
+
+
+def _cmdline_has(proc: Path, path: Path) -> bool:
+    try:
+        return f"-listen=/unix{path}".encode() in (proc / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return False

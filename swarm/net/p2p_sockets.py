@@ -27,17 +27,27 @@ def stale_p2p_sockets(before: set[Path]) -> set[Path]:
     has bound but not yet listened is a few milliseconds old, so young sockets are left."""
     stale = set()
     for path in p2p_sockets() - before:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if time.time() - path.stat().st_mtime > YOUNG_S:
-                s.connect(str(path))
-        except ConnectionRefusedError:
+            old = time.time() - path.stat().st_mtime > YOUNG_S
+        except OSError:  # removed meanwhile
+            continue
+        if old and not_listened(path):
             stale.add(path)
-        except OSError:
-            pass
-        finally:
-            s.close()
     return stale
+
+
+def not_listened(path: Path) -> bool:
+    """Whether the socket file is there and nobody listens on it (its owner died without removing it)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # gone, or another error: not ours to judge
+        return False
+    finally:
+        s.close()
+    return False
 
 
 def remove_stale_p2p_sockets(before: set[Path]) -> int:
