@@ -25,12 +25,11 @@ from hivemind.proto import runtime_pb2
 
 from swarm.sync.codecs import (
     BLOCK,
-    CODE_BITS,
+    CODECS,
     EXACT_MAX,
     Codec,
     blockwise_decode,
     blockwise_encode,
-    levels,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -71,8 +70,9 @@ class _Blockwise(CompressionBase):
     name: str  # the codec's (``swarm.sync.codecs``)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        codes, scales = blockwise_encode(tensor, levels(self.name))
-        body = codes if CODE_BITS[self.name] == 8 else pack_nibbles(codes)
+        codec = CODECS[self.name]
+        codes, scales = blockwise_encode(tensor, codec.levels)
+        body = codes if codec.code_bits == 8 else pack_nibbles(codes)
         return runtime_pb2.Tensor(
             compression=self.compression_type,
             buffer=scales.numpy().tobytes() + body.numpy().tobytes(),
@@ -83,7 +83,7 @@ class _Blockwise(CompressionBase):
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         shape = tuple(serialized_tensor.size)
-        n, bits = int(np.prod(shape)), CODE_BITS[self.name]
+        n, bits = int(np.prod(shape)), CODECS[self.name].code_bits
         n_scales = -(-n // BLOCK)
         buf = serialized_tensor.buffer
         if len(buf) != 4 * n_scales + -(-n * bits // 8):

@@ -38,16 +38,22 @@ class Codec:
     name: str
     bits: float  # per value on the wire
     tolerance: float  # relative tolerance of the round digests (``round_consensus``)
+    code_bits: int = 0  # a blockwise codec's bits per value's code (its scales aside); 0: not blockwise
 
     @property
     def lossless(self) -> bool:
         return self.name == "fp32"
 
+    @property
+    def levels(self) -> int:
+        """A blockwise codec's largest code: a block's absmax travels as it."""
+        return 2 ** (self.code_bits - 1) - 1
+
     def wire_bytes(self, numel: int) -> int:
         if numel <= EXACT_MAX:
             return 4 * numel
-        if self.name in CODE_BITS:
-            return math.ceil(numel * CODE_BITS[self.name] / 8) + 4 * math.ceil(numel / BLOCK)
+        if self.code_bits:
+            return math.ceil(numel * self.code_bits / 8) + 4 * math.ceil(numel / BLOCK)
         return int(numel * self.bits / 8)
 
     def roundtrip(self, t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,7 @@ class Codec:
             return t.clone()
         if self.name == "fp16":
             return t.clamp(-FP16_MAX, FP16_MAX).half().float()
-        codes, scales = blockwise_encode(t, levels(self.name))
+        codes, scales = blockwise_encode(t, self.levels)
         return blockwise_decode(codes, scales, t.shape)
 
 
@@ -66,15 +72,9 @@ class Codec:
 CODECS = {
     "fp32": Codec("fp32", 32.0, 1e-4),
     "fp16": Codec("fp16", 16.0, 1e-3),
-    "int8": Codec("int8", 8.0 + 32.0 / BLOCK, 2e-2),
-    "int4": Codec("int4", 4.0 + 32.0 / BLOCK, 1e-1),
+    "int8": Codec("int8", 8.0 + 32.0 / BLOCK, 2e-2, code_bits=8),
+    "int4": Codec("int4", 4.0 + 32.0 / BLOCK, 1e-1, code_bits=4),
 }
-CODE_BITS = {"int8": 8, "int4": 4}  # the blockwise codecs: bits of a value's code
-
-
-def levels(name: str) -> int:
-    """A blockwise codec's largest code: a block's absmax travels as it."""
-    return 2 ** (CODE_BITS[name] - 1) - 1
 
 
 def codec_named(name: str) -> Codec:
