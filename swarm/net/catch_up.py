@@ -35,7 +35,7 @@ import torch
 
 from swarm.model import MoETransformer
 from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite
-from swarm.net.group_layout import DENSE, GroupSpec, expert_item, served_dense, served_items
+from swarm.net.group_layout import DENSE, dense_spec, expert_item, served_dense, served_items
 from swarm.net.records import Heartbeat
 from swarm.net.round_info import MAX_REFERENCE
 from swarm.net.served_prints import PrintViews, gather_metadata, gather_prints
@@ -101,7 +101,7 @@ def catch_up(
     peers' peak learning rate, which bounds how far a copy may have grown since the printed ones."""
     held = held or {}
     by_step = sorted(peers, key=lambda p: -peers[p].step)[:ASKED]
-    spec = GroupSpec(f"{run_id}_dense", (DENSE,))
+    spec = dense_spec(run_id)
     deadline = time.monotonic() + timeout
     # a peer serves prints from its first round on: waiting for one that is joining too would be in vain
     serving = [p for p in by_step if peers[p].last_round >= 0]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.net.transport import Group, GroupTransport
+from swarm.net.transport import DENSE_SUFFIX, Group, GroupTransport
 
 if TYPE_CHECKING:
     from swarm.net.membership import MembershipView
@@ -65,7 +65,7 @@ def layout(
             sole.append(e)
         else:
             by_holders.setdefault(who, []).append(e)
-    specs = [GroupSpec(f"{run_id}_dense", (DENSE,))]
+    specs = [dense_spec(run_id)]
     for experts in sorted(by_holders.values()):
         specs.append(GroupSpec(experts_group_name(run_id, experts), tuple(map(expert_item, experts))))
     return specs, sole
@@ -156,6 +156,11 @@ class OpenGroups:
         with self._lock:
             groups, self._open = list(self._open.values()), {}
         return groups
+
+
+def dense_spec(run_id: str) -> GroupSpec:
+    """The dense weights' group of a run."""
+    return GroupSpec(f"{run_id}{DENSE_SUFFIX}", (DENSE,))
 
 
 def expected_members(spec: GroupSpec, view: MembershipView, me: str, last: bool = False) -> int:

@@ -22,11 +22,9 @@ from swarm.net.hivemind_codecs import hivemind_compression
 from swarm.net.hivemind_group import HivemindGroup, close_groups, download_state
 from swarm.net.identity import peer_id_of_owner
 from swarm.net.timing import Timing
-from swarm.net.transport import Served
+from swarm.net.transport import Served, is_dense_group
 from swarm.sync.codecs import CODECS, Codec
 from swarm.sync.robust_mean import AggregationRule
-
-DENSE_SUFFIX = "_dense"
 
 
 def _result(future, timeout: float):
@@ -113,7 +111,7 @@ class HivemindTransport:
             allreduce_timeout=t.round_s,
             request_timeout=t.request_s,
             late_s=t.late_s,
-            compression=hivemind_compression(self.dense_codec if name.endswith(DENSE_SUFFIX) else self.codec),
+            compression=hivemind_compression(self.dense_codec if is_dense_group(name) else self.codec),
             serve_compression=self._serving(name, serve_codec),
             rule=self.rule,
         )
@@ -122,7 +120,7 @@ class HivemindTransport:
     def _serving(name: str, codec: Codec | None):
         """How a group's served copies travel: the dense copy exactly (the final agreement copies it), a
         server's by its codec when it has one (expert changes), anything else (expert copies) as fp16."""
-        if name.endswith(DENSE_SUFFIX):
+        if is_dense_group(name):
             return NoCompression()
         return hivemind_compression(codec) if codec else None
 

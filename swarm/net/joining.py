@@ -22,7 +22,7 @@ import hivemind
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.catch_up import CaughtUp
-from swarm.net.group_layout import DENSE, GroupSpec
+from swarm.net.group_layout import DENSE, dense_spec
 from swarm.net.records import Heartbeat, expert_holders, publish_heartbeat, read_records
 from swarm.net.transport import Store
 from swarm.sync import settle_joiners
@@ -98,7 +98,7 @@ def open_swarm_sync(
     )  # fmt: skip
     sync = SwarmSync(cfg, store, transport, model, members, last_round_at, TrafficMeter(dht.pid))
     if caught_up is not None and caught_up.reference is not None:
-        sync.ctx.payloads.adopt(GroupSpec(f"{cfg.run_id}_dense", (DENSE,)), caught_up.reference[0],
+        sync.ctx.payloads.adopt(dense_spec(cfg.run_id), caught_up.reference[0],
                                 {DENSE: caught_up.reference[1]})  # fmt: skip
     if caught_up is not None:
         sync.ctx.downloads.judge_by_prints(caught_up.unverified)

@@ -39,7 +39,7 @@ import torch
 
 from swarm.net.round_consensus import StoreDigests
 from swarm.net.served_prints import kept_prints
-from swarm.net.transport import GroupOutcome, Served, is_last_round, metadata_accepted
+from swarm.net.transport import GroupOutcome, Served, is_dense_group, is_last_round, metadata_accepted
 from swarm.sync.codecs import CODECS, Codec
 from swarm.sync.robust_mean import AggregationRule
 
@@ -76,7 +76,7 @@ class LocalNetwork:
         dense_codec: Codec | None = None,
     ) -> None:
         self.matchmaking_s, self.faults, self.codec, self.rule = matchmaking_s, list(faults), codec, rule
-        self.dense_codec = dense_codec or codec  # the dense group's (its name ends with "_dense")
+        self.dense_codec = dense_codec or codec  # the dense group's (``is_dense_group``)
         self.lock = threading.Lock()
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[tuple[str, bool], _Formation] = {}
@@ -109,7 +109,7 @@ class LocalNetwork:
             form = self.forming.get(key)
             if form is None or form.results is not None or time.time() >= form.closes_at:
                 closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
-                codec = self.dense_codec if name.endswith("_dense") else self.codec
+                codec = self.dense_codec if is_dense_group(name) else self.codec
                 form = self.forming[key] = _Formation(closes, codec)
             form.sent[me] = (tensors, info)
             if expected is not None and len(form.sent) >= expected:  # complete: it begins now
@@ -324,7 +324,7 @@ class LocalTransport:
         if garbled:
             return Served(dict(served.meta), list(served.tensors))
         # like hivemind's transport: expert copies travel as fp16, or with the server's codec
-        half = not name.endswith("_dense") and self.net.server_codecs.get(name) is None
+        half = not is_dense_group(name) and self.net.server_codecs.get(name) is None
         return Served(dict(served.meta), [t.half() if half else t.clone() for t in served.tensors])
 
     def close_groups(self, groups: Sequence[LocalGroup]) -> None:

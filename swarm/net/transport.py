@@ -24,6 +24,14 @@ import torch
 
 from swarm.sync.codecs import Codec
 
+DENSE_SUFFIX = "_dense"  # ends the dense group's name (``group_layout.dense_spec``)
+
+
+def is_dense_group(name: str) -> bool:
+    """Whether a group is the dense weights': transports serve its copy exactly and may average it in a
+    codec of its own (``sync.dense_codec``)."""
+    return name.endswith(DENSE_SUFFIX)
+
 
 def is_last_round(info: Mapping[str, Any]) -> bool:
     """Whether a round's info (``RoundInfo.to_msg``) is a last round's: those meet only each other."""
