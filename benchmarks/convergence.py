@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from swarm.sync.codecs import CODECS  # noqa: E402
+
 ROWS = ("central", "swarm", "no_merge", "replication2", "nesterov", "sync_half", "sync_double",
         "diloco_tokens", "diloco_bytes")  # fmt: skip
 EXTRA_ROWS = ("every_step", "every_step_spes")
@@ -97,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
     ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
-    ap.add_argument("--average-codec", default="fp32", choices=("fp32", "fp16", "int8", "int4"),
+    ap.add_argument("--average-codec", default="fp32", choices=tuple(CODECS),
                     help="how the every_step rows' averages travel (coded_average)")  # fmt: skip
-    ap.add_argument("--average-dense-codec", default="", choices=("", "fp32", "fp16", "int8", "int4"),
+    ap.add_argument("--average-dense-codec", default="", choices=("", *CODECS),
                     help="the dense weights' codec there (default: --average-codec)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")

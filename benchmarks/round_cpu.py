@@ -55,7 +55,7 @@ from swarm.net.hivemind_transport import HivemindStore, HivemindTransport  # noq
 from swarm.net.round import RoundContext  # noqa: E402
 from swarm.net.round_consensus import digest  # noqa: E402
 from swarm.net.timing import Timing  # noqa: E402
-from swarm.sync.codecs import codec_named  # noqa: E402
+from swarm.sync.codecs import CODECS, codec_named  # noqa: E402
 
 PARTS = ("serve", "encode", "digest", "decode", "download")
 
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--codec", default="int8", choices=["fp32", "fp16", "int8", "int4"])
+    ap.add_argument("--codec", default="int8", choices=list(CODECS))
     ap.add_argument("--device", choices=["cpu", "cuda"], help="of the training thread (default: cuda if any)")
     ap.add_argument("--local", type=int, default=4, help="experts the peer holds (default 4)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls of each part (default 5)")

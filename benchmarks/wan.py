@@ -62,6 +62,7 @@ from peers.demo import wait_for_maddr  # noqa: E402
 from peers.demo_summary import read_jsonl  # noqa: E402
 from swarm.config import RunConfig, load_config, save_config  # noqa: E402
 from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets  # noqa: E402
+from swarm.sync.codecs import CODECS as KNOWN_CODECS  # noqa: E402
 from swarm.train.round_record import RoundRecord  # noqa: E402
 
 # "a/b": sync.codec a (the experts), sync.dense_codec b; "a": a for both. The default first, then int8 for
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate in each direction (default 100)")
     ap.add_argument("--rounds", type=int, default=8, help="sync intervals each peer trains (default 8)")
     ap.add_argument("--codecs", default=",".join(CODECS),
-                    help="comma-separated from fp32, fp16, int8, int4; a/b: sync.codec a, sync.dense_codec b "
+                    help=f"comma-separated from {', '.join(KNOWN_CODECS)}; a/b: sync.codec a, sync.dense_codec b "
                     f"(default {','.join(CODECS)})")  # fmt: skip
     ap.add_argument("--shapes", default="demo,wide", help="comma-separated: demo, wide (default both)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
@@ -93,8 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.shapes, args.rounds = "demo", 4
     args.codecs, args.shapes = args.codecs.split(","), args.shapes.split(",")
-    known = {"fp32", "fp16", "int8", "int4"}
-    bad = [c for c in args.codecs if not set(c.split("/", 1)) <= known] + [
+    bad = [c for c in args.codecs if not set(c.split("/", 1)) <= set(KNOWN_CODECS)] + [
         s for s in args.shapes if s not in SHAPES
     ]
     if bad or args.peers < 2 or args.rounds < 2:
