@@ -33,7 +33,7 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
     tiny_config, tmp_path, bootstrap_peer
 ):
     runs = [tmp_path / f"p{i}" for i in range(4)]
-    stop_at = str(time.time() + 60)  # a shared stop time: the peers meet for their last round together
+    stop_at = str(time.time() + 50)  # a shared stop time: the peers meet for their last round together
 
     def start(i):
         args = swarm_peer_args(tiny_config, bootstrap_peer, runs[i], "--stop-at", stop_at, max_steps=100000)
