@@ -86,7 +86,6 @@ class HivemindGroup:
                 compression=compression or NoCompression(),
                 state_compression=serve_compression or Float16Compression(),
                 allow_state_sharing=True,
-                declare_state_period=10.0,
                 shutdown_timeout=SHUTDOWN_S,
                 swarm_key=self.swarm_key,
                 rule=rule,
