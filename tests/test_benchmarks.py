@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# name: the script and its arguments. The four runs start together, once per module: each is one process
+# name: the script and its arguments. The runs start together, once per module: each is one process
 # (memory.py starts one more per variant) that spends most of its time importing or waiting, so that side by
 # side they take about as long as the slowest one alone.
 RUNS = {
@@ -29,6 +29,7 @@ RUNS = {
     "gpu_step": ["gpu_step.py", *"--device cpu --tiny --json --peak-tflops 1".split()],
     "gpu_step_bare": ["gpu_step.py"],  # no arguments: skips on a machine without CUDA
     "aggregation": ["aggregation.py", *"--repeats 1 --members 2 3 --json".split()],
+    "heartbeats": ["heartbeats.py", *"--peers 2 --settle-s 3 --measure-s 5 --json".split()],
     "round_cpu": [
         "round_cpu.py",
         *(
@@ -368,3 +369,11 @@ def test_round_cpu_benchmark_times_every_part_alone_and_beside_training(runs):
     # op counts are exact: the digest takes a dozen ops per tensor, not a dozen per segment of each
     digest = rows[PARTS.index("digest")]
     assert digest["ops"] <= 20 * digest["tensors"], digest
+
+
+def test_heartbeats_benchmark_measures_both_crawls_side_by_side(runs):
+    *rows, summary = [json.loads(line) for line in _stdout(runs, "heartbeats").splitlines()]
+    assert [(r["peers"], r["crawl"]) for r in rows] == [(2, "hivemind"), (2, "swarm")]
+    for r in rows:
+        assert 0 < r["mean_bytes"] <= r["max_bytes"] and r["min_view"] == 2, r  # each read found both peers
+    assert summary["peers"] == 2 and summary["ratio"] > 0

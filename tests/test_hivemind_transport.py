@@ -17,7 +17,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
 from swarm.net.hivemind_group import HivemindGroup, await_step, close_groups
-from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
+from swarm.net.hivemind_transport import CRAWL_BEAM, HivemindStore, HivemindTransport
 from swarm.net.records import Heartbeat, publish_heartbeat, read_heartbeats, withdraw_heartbeat
 from swarm.net.round_consensus import (
     StoreDigests,
@@ -234,6 +234,26 @@ def test_heartbeats_are_signed_nobody_writes_another_peers_and_malformed_ones_ar
     finally:
         forger.shutdown()
         honest.shutdown()
+
+
+def test_with_more_nodes_than_a_crawl_keeps_every_read_finds_every_peers_record():
+    """Reads and writes crawl with hivemind's ``beam_size`` set to ``CRAWL_BEAM``, not its bucket size:
+    with more nodes than that, every node still reads every node's heartbeat. (What the narrower crawl
+    saves is measured by ``benchmarks/heartbeats.py``.)"""
+    nodes = [start_dht()]
+    nodes += [start_dht(visible_maddrs(nodes[0])) for _ in range(CRAWL_BEAM + 1)]
+    try:
+        stores = [HivemindStore(d) for d in nodes]
+        for i, store in enumerate(stores):
+            assert publish_heartbeat(store, "t_crawl", store.me, Heartbeat(experts=[i], state="training"), 30)
+        for store in stores:
+            beats = read_heartbeats(store, "t_crawl")
+            assert {p: hb.experts for p, (hb, _) in beats.items()} == {
+                s.me: [i] for i, s in enumerate(stores)
+            }
+    finally:
+        for d in reversed(nodes):
+            d.shutdown()
 
 
 def test_groups_hold_host_fp32_tensors_whatever_the_models_device():

@@ -34,13 +34,24 @@ def _result(future, timeout: float):
         return None
 
 
+# How many of the nodes nearest a key a read or a write keeps while it crawls the DHT: hivemind stores a
+# record on its ``num_replicas`` (5) nearest nodes, so those hold the freshest copy. hivemind's default
+# is its bucket size (20): in a swarm of up to 20 nodes every read and write asked every node, each
+# answering with every peer's record, and heartbeats grew with the square of the swarm. Heartbeats alone,
+# per peer per 5 s (``benchmarks/heartbeats.py``, 2 cores): 1203 kB at 16 peers, 458 kB with 5; 300 and
+# 215 kB at 8 peers; 76 kB either way at 4 (at 5 nodes or fewer nothing changes).
+CRAWL_BEAM = 5
+
+
 class HivemindStore:
     """Records in hivemind's DHT. A record under a subkey is a peer's own: written under its owner tag
     (``swarm.net.identity``) and signed by its key, so nobody else can write it, and read back under the
-    writer's peer id; a subkey that is not an owner tag (written by a plain hivemind node, say) is not read."""
+    writer's peer id; a subkey that is not an owner tag (written by a plain hivemind node, say) is not read.
+    ``beam``: ``CRAWL_BEAM``, or None for hivemind's default (benchmarks compare the two)."""
 
-    def __init__(self, dht: hivemind.DHT) -> None:
+    def __init__(self, dht: hivemind.DHT, beam: int | None = CRAWL_BEAM) -> None:
         self.dht, self.me = dht, dht.peer_id.to_base58()
+        self._crawl = {} if beam is None else {"beam_size": beam}
         identity = getattr(dht, "identity", None)  # set by start_dht
         self.owner = identity.owner_subkey if identity is not None else None
         self.swarm_key = getattr(dht, "swarm_key", None)  # its allowlist: the only writers read
@@ -55,17 +66,17 @@ class HivemindStore:
             if subkey != self.me or self.owner is None:
                 raise ValueError(f"a peer writes its own subkey only ({self.me[-8:]}, not {subkey[-8:]})")
             subkey = self.owner
-        fut = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
+        fut = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True, **self._crawl)
         return bool(_result(fut, timeout))
 
     def get(self, key: str, timeout: float = 10.0) -> Any | None:
-        found = _result(self.dht.get(key, latest=True, return_future=True), timeout)
+        found = _result(self.dht.get(key, latest=True, return_future=True, **self._crawl), timeout)
         if found is None or found.expiration_time <= get_dht_time():
             return None
         return found.value
 
     def get_subkeys(self, key: str, timeout: float = 10.0) -> dict[str, tuple[Any, float]] | None:
-        found = _result(self.dht.get(key, latest=True, return_future=True), timeout)
+        found = _result(self.dht.get(key, latest=True, return_future=True, **self._crawl), timeout)
         if found is None:
             return None
         if not isinstance(found.value, dict):
