@@ -90,6 +90,11 @@ def test_peers_cover_all_experts_average_a_late_joiner_catches_up_and_another_mo
     assert all(r.final_unsettled == [] for r in final), final
     adopted = {name for r in final for name in r.final_adopted}
     print(f"last rounds: {[(r.dense_group, r.expert_groups) for r in final]}; adopted {adopted}")
+    # each peer's last val_loss is its evaluation after the final agreement: the same weights on the same
+    # windows (the demo's summary reports it), not its last step's, from before the last round
+    finals = [[r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r][-1] for run in runs]
+    assert [f["step"] for f in finals] == [rs[-1].step for rs in rounds], finals
+    assert max(f["val_loss"] for f in finals) - min(f["val_loss"] for f in finals) < 1e-3, finals
     models = [c.model for c in ckpts]
 
     def close(a, b, name):
