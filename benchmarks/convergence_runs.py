@@ -186,10 +186,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         models.append(m.to(device))
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
-    dense = codec_named(dense_codec or codec)
-    coded = None
-    if not (codec_named(codec).lossless and dense.lossless):
-        coded = CodedAverage(codec_named(codec), models, owned, n_exp, dense)
+    experts, dense = codec_named(codec), codec_named(dense_codec or codec)
+    coded = (
+        None if experts.lossless and dense.lossless else CodedAverage(experts, models, owned, n_exp, dense)
+    )
 
     def evaluate() -> float:
         return heldout_loss(

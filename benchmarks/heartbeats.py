@@ -53,7 +53,7 @@ def measure(n: int, beam: int | None, timing: Timing, settle_s: float, measure_s
                 16,
                 60.0,
                 visible_maddrs(d),
-            )  # fmt: skip
+            )
             for i, d in enumerate(nodes)
         ]
         meters = [TrafficMeter(d.pid) for d in [*nodes, boot]]

@@ -4,8 +4,8 @@
 
 A received tensor part is decoded by the compression type written in its message, from hivemind's table of
 types, so the int8 codec is registered in that table under ``BLOCKWISE_8BIT`` (hivemind's own needs
-bitsandbytes, which the swarm does not use) and int4 under ``UNIFORM_8BIT`` when this module is imported, before any averager process is
-forked. Tensors of at most ``EXACT_MAX`` values travel as fp32 (type ``NONE``) with every codec, as
+bitsandbytes, which the swarm does not use) and int4 under ``UNIFORM_8BIT`` when this module is imported,
+before any averager process is forked. Tensors of at most ``EXACT_MAX`` values travel as fp32 (type ``NONE``) with every codec, as
 ``Codec.roundtrip`` assumes. The encoding is ``swarm.sync.codecs``'s, in torch only (hivemind's 8-bit
 quantizers fail under numpy 2, NOTES.md).
 """
@@ -67,12 +67,11 @@ class _Blockwise(CompressionBase):
     """A blockwise codec's codes (int8 as they are, int4 two to a byte) plus an fp32 absmax scale per block:
     buffer = scales, then codes."""
 
-    name: str  # the codec's (``swarm.sync.codecs``)
+    codec: Codec  # ``swarm.sync.codecs``'s
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
-        codec = CODECS[self.name]
-        codes, scales = blockwise_encode(tensor, codec.levels)
-        body = codes if codec.code_bits == 8 else pack_nibbles(codes)
+        codes, scales = blockwise_encode(tensor, self.codec.levels)
+        body = codes if self.codec.code_bits == 8 else pack_nibbles(codes)
         return runtime_pb2.Tensor(
             compression=self.compression_type,
             buffer=scales.numpy().tobytes() + body.numpy().tobytes(),
@@ -83,11 +82,11 @@ class _Blockwise(CompressionBase):
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         shape = tuple(serialized_tensor.size)
-        n, bits = int(np.prod(shape)), CODECS[self.name].code_bits
+        n, bits = int(np.prod(shape)), self.codec.code_bits
         n_scales = -(-n // BLOCK)
         buf = serialized_tensor.buffer
         if len(buf) != 4 * n_scales + -(-n * bits // 8):
-            raise ValueError(f"{self.name} tensor of {len(buf)} bytes for shape {shape}")
+            raise ValueError(f"{self.codec.name} tensor of {len(buf)} bytes for shape {shape}")
         scales = torch.from_numpy(np.frombuffer(buf, dtype=np.float32, count=n_scales).copy())
         body = np.frombuffer(buf, dtype=np.int8 if bits == 8 else np.uint8, offset=4 * n_scales).copy()
         codes = torch.from_numpy(body) if bits == 8 else unpack_nibbles(torch.from_numpy(body), n)
@@ -102,14 +101,14 @@ class _Blockwise(CompressionBase):
 
 class Int8Blockwise(_Blockwise):
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
-    name = "int8"
+    codec = CODECS["int8"]
 
 
 class Int4Blockwise(_Blockwise):
     """Sent as hivemind's ``UNIFORM_8BIT`` type, which the swarm does not otherwise use."""
 
     compression_type = runtime_pb2.CompressionType.UNIFORM_8BIT
-    name = "int4"
+    codec = CODECS["int4"]
 
 
 class Int8Codec(_SmallExact):

@@ -42,9 +42,8 @@ class RoundInfo:
     digests: str = "dht"  # how we exchange round digests (``sync.digests``): every member must use the same
     quorum: int = 0  # how many members our reference waits for before it moves on (``reference_moves``)
     held: int = 0  # rounds we applied since our reference last moved on
-    codec: str = (
-        ""  # how our group's tensors travel (``sync.codec``, ``sync.dense_codec``): every member's must match
-    )
+    # how our group's tensors travel (``sync.codec``, ``sync.dense_codec``): every member's must match
+    codec: str = ""
 
     def to_msg(self) -> dict[str, Any]:
         return {

@@ -365,7 +365,7 @@ class Trainer:
             raise
         finally:
             bar.close()
-        settled = False  # whether a last round (and the final agreement) ran after our last step
+        final: list[dict[str, Any]] = []  # the last round's records, after our last step
         if self.step > summary["start_step"]:  # a last synchronous round: replicas agree when we stop
             if self.ranks is not None:  # did DDP keep the ranks equal? (checked before the last round)
                 check = self.ranks.check_weights(self.model, self.step, "trained")
@@ -374,7 +374,6 @@ class Trainer:
                 self.step, self.tokens, 0, torch.zeros(self.cfg.model.n_experts, dtype=torch.long), 0.0
             )
             final = [r.to_dict() for r in self.sync.last_round(self.model, report)]
-            settled = bool(final)
             if self.ranks is not None:
                 self.ranks.share_decisions(self.model, self.step, final, None, True)
             for round_rec in final:
@@ -382,7 +381,7 @@ class Trainer:
             if any(r.get("applied") for r in final):
                 self.save()  # the checkpoint holds the weights the last round agreed on
         summary.update(end_step=self.step, tokens=self.tokens, final_val_loss=self.evaluate())
-        if settled and self.is_leader:
+        if final and self.is_leader:
             # the weights the run ends with: the last round and the final agreement came after the last
             # step's evaluation (and a peer stopped by the clock has none at its last step)
             self.metrics.write(step=self.step, tokens=self.tokens, val_loss=summary["final_val_loss"])
