@@ -55,6 +55,37 @@ def test_a_differing_replica_adopts_the_majority_copy():
             assert torch.allclose(got, ref, atol=tol, rtol=0)
 
 
+def test_a_download_of_the_winning_copy_that_fails_once_is_tried_again():
+    net = LocalNetwork()
+    ids = ["peer-a", "peer-b", "peer-c"]
+    live = {me: _copy(i) for i, me in enumerate(ids)}
+    failures, done = {"peer-c": 1}, {}  # peer-c's first download finds nothing (the holder is busy)
+
+    def holder(me: str) -> None:
+        transport = net.transport(me)
+        server = transport.open_server("t_experts")
+
+        def fetch(peer, name):
+            if failures.get(me, 0) > 0:
+                failures[me] -= 1
+                return None
+            served = transport.fetch(peer, "t_experts", timeout=5)
+            return served.tensors if served is not None and served.meta.get("item") == name else None
+
+        def serve(name, tensors):
+            server.serve([t.half() for t in tensors], {"item": name})
+
+        items = {"expert3": FinalItem(live[me], frozenset(ids) - {me})}
+        done[me] = agree_on_final_copies(net.store(me), "t_run", me, items, fetch, serve, 5.0, 4.0)
+
+    threads = [threading.Thread(target=holder, args=(me,)) for me in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures["peer-c"] == 0 and done["peer-c"] == (["expert3"], [])
+
+
 def test_holders_that_finish_late_are_waited_for_and_everyone_ends_with_one_copy():
     """Two pairs of holders, each pair equal after a last round of its own; the pair holding the smallest
     id ends its round 2.5 s after the other (past the 1 s read bound). Had the early pair decided without
