@@ -21,7 +21,9 @@ def _copy(i: int) -> list[torch.Tensor]:
     return tensors
 
 
-def test_a_differing_replica_adopts_the_majority_copy():
+def _settle_expert3(failures: dict[str, int]) -> tuple[dict, dict]:
+    """Three holders of expert3 (peer-c's copy the odd one out) settle it on the in-memory transport; a
+    holder's first ``failures[me]`` downloads find nothing. Returns (results by holder, live copies)."""
     net = LocalNetwork()
     ids = ["peer-a", "peer-b", "peer-c"]
     live = {me: _copy(i) for i, me in enumerate(ids)}
@@ -32,6 +34,9 @@ def test_a_differing_replica_adopts_the_majority_copy():
         server = transport.open_server("t_experts")
 
         def fetch(peer, name):
+            if failures.get(me, 0) > 0:
+                failures[me] -= 1
+                return None
             served = transport.fetch(peer, "t_experts", timeout=5)
             return served.tensors if served is not None and served.meta.get("item") == name else None
 
@@ -46,43 +51,23 @@ def test_a_differing_replica_adopts_the_majority_copy():
         t.start()
     for t in threads:
         t.join(timeout=30)
+    return done, live
+
+
+def test_a_differing_replica_adopts_the_majority_copy():
+    done, live = _settle_expert3({})
     assert done["peer-a"] == ([], []) and done["peer-b"] == ([], [])  # the two agreeing copies stay
     assert done["peer-c"] == (["expert3"], [])  # the odd one out takes theirs
     want = _copy(0)
-    for i, me in enumerate(ids):
+    for i, me in enumerate(["peer-a", "peer-b", "peer-c"]):
         for got, ref in zip(live[me], want, strict=True):
             tol = 0 if i < 2 else 2e-3 * ref.abs().max().item()  # fp16 on the wire
             assert torch.allclose(got, ref, atol=tol, rtol=0)
 
 
 def test_a_download_of_the_winning_copy_that_fails_once_is_tried_again():
-    net = LocalNetwork()
-    ids = ["peer-a", "peer-b", "peer-c"]
-    live = {me: _copy(i) for i, me in enumerate(ids)}
-    failures, done = {"peer-c": 1}, {}  # peer-c's first download finds nothing (the holder is busy)
-
-    def holder(me: str) -> None:
-        transport = net.transport(me)
-        server = transport.open_server("t_experts")
-
-        def fetch(peer, name):
-            if failures.get(me, 0) > 0:
-                failures[me] -= 1
-                return None
-            served = transport.fetch(peer, "t_experts", timeout=5)
-            return served.tensors if served is not None and served.meta.get("item") == name else None
-
-        def serve(name, tensors):
-            server.serve([t.half() for t in tensors], {"item": name})
-
-        items = {"expert3": FinalItem(live[me], frozenset(ids) - {me})}
-        done[me] = agree_on_final_copies(net.store(me), "t_run", me, items, fetch, serve, 5.0, 4.0)
-
-    threads = [threading.Thread(target=holder, args=(me,)) for me in ids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    failures = {"peer-c": 1}  # peer-c's first download finds nothing (the holder is busy)
+    done, _ = _settle_expert3(failures)
     assert failures["peer-c"] == 0 and done["peer-c"] == (["expert3"], [])
 
 
