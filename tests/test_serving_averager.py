@@ -1,7 +1,8 @@
 """Whose steps meet whose on hivemind's real averagers and p2pd (``swarm.net.serving_averager``): a last
-round's matchmaking key is its own. Serving, ruled all-reduce and met-early groups have tests of their own
+round's matchmaking key is its own; an ask for a fresher copy is held until the holder serves one. Serving, ruled all-reduce and met-early groups have tests of their own
 (``test_hivemind_transport``, ``test_ruled_allreduce``, ``test_prematch``)."""
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from swarm.net.dht_node import start_dht, visible_maddrs
 from swarm.net.hivemind_group import close_groups
 from swarm.net.hivemind_transport import HivemindTransport
+from swarm.net.served_steps import Fresh
+from swarm.net.serving_averager import HOLD_MAX_S
 from swarm.net.timing import Timing
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,3 +102,33 @@ def test_an_averager_never_lists_itself_for_hivemind_state_downloads(dhts):
             assert d.get("t_listed.all_averagers", latest=True) is None
     finally:
         close_groups(groups)
+
+
+def test_an_ask_for_a_fresher_copy_is_held_until_the_holder_serves_one(dhts):
+    """A refused ask with ``hold_s`` is answered again as soon as what the holder serves changes: the new
+    copy comes in that one fetch. Unheld, the same ask comes back with the metadata alone; held longer than
+    the holder holds anyone (``HOLD_MAX_S``), it comes back with the metadata alone too, not cut off by
+    its timeout."""
+    holder = HivemindTransport(dhts[0], TIMING).open_server("t_held")
+    asker, at = HivemindTransport(dhts[1], TIMING), dhts[0].peer_id.to_base58()
+
+    def serve(step: int) -> None:
+        copy = [torch.full((1000,), float(step), dtype=torch.float16)]
+        holder.serve(copy, {"items": ["expert0"], "steps": [step], "final": [False]})
+
+    try:
+        serve(1)
+        assert asker.fetch(at, "t_held", timeout=10).meta["steps"] == [1]
+        step2 = Fresh(("expert0",), 2, final=False)
+        unheld = asker.fetch(at, "t_held", 10, step2)
+        assert unheld.meta["steps"] == [1] and unheld.tensors == [] and unheld.held_s == 0.0
+        threading.Timer(1.5, serve, (2,)).start()
+        held = asker.fetch(at, "t_held", 10, step2, hold_s=8.0)
+        assert held.meta["steps"] == [2] and held.tensors[0].tolist() == [2.0] * 1000
+        assert held.held_s > 0
+        t0 = time.monotonic()
+        beyond = asker.fetch(at, "t_held", 3 * HOLD_MAX_S, Fresh(("expert0",), 3, final=False), hold_s=30.0)
+        assert beyond is not None and beyond.meta["steps"] == [2] and beyond.tensors == []
+        assert time.monotonic() - t0 >= HOLD_MAX_S  # it was held, up to the holder's bound
+    finally:
+        close_groups([holder])

@@ -272,9 +272,11 @@ def download_state(
     timeout: float = 30.0,
     accept=None,
     max_bytes: int | None = None,
+    hold_s: float = 0.0,
 ):
-    """(metadata, tensors) of group ``prefix`` as served by ``peer``, or None on any failure or timeout;
-    ``accept(metadata)`` (picklable) false: (metadata, [])."""
+    """(metadata, tensors, seconds held) of group ``prefix`` as served by ``peer``, or None on any failure
+    or timeout; ``accept(metadata)`` (picklable) false: (metadata, [], 0.0), after up to ``hold_s`` of
+    waiting for the holder to serve something it takes (``fetch_copy``)."""
     try:
         key = getattr(dht, "swarm_key", None)
         token = key.member_token(dht.peer_id.to_base58()) if key is not None else b""
@@ -286,6 +288,7 @@ def download_state(
             token=token,
             accept=accept,
             max_bytes=max_bytes,
+            hold_s=hold_s,
         )
         return dht.run_coroutine(fn, return_future=True).result(timeout=timeout + 5)
     except Exception:

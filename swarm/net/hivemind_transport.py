@@ -142,15 +142,18 @@ class HivemindTransport:
         return self._group(name, None, codec)
 
     def fetch(
-        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        peer: str,
+        name: str,
+        timeout: float,
+        accept: Callable[[dict[str, Any]], bool] | None = None,
+        hold_s: float = 0.0,
     ) -> Served | None:
-        got = download_state(
-            self.dht, peer, name, timeout=timeout, accept=accept, max_bytes=self.max_copy_bytes
-        )
+        got = download_state(self.dht, peer, name, timeout, accept, self.max_copy_bytes, min(hold_s, timeout))
         if got is None:
             return None
         meta = got[0] if isinstance(got[0], dict) else {}  # it answered, but serves nothing (yet)
-        return Served(meta, list(got[1]))
+        return Served(meta, list(got[1]), got[2])
 
     def close_groups(self, groups: Sequence[HivemindGroup]) -> None:
         close_groups(groups)

@@ -78,6 +78,7 @@ class LocalNetwork:
         self.matchmaking_s, self.faults, self.codec, self.rule = matchmaking_s, list(faults), codec, rule
         self.dense_codec = dense_codec or codec  # the dense group's (``is_dense_group``)
         self.lock = threading.Lock()
+        self.served_changed = threading.Condition(self.lock)  # held fetches wait on it (``hold_s``)
         self.records: dict[str, dict[str | None, tuple[Any, float]]] = {}
         self.forming: dict[tuple[str, bool], _Formation] = {}
         self.served: dict[tuple[str, str], Served] = {}
@@ -211,6 +212,7 @@ class LocalGroup:
 
     def serve(self, tensors: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], meta) -> None:
         with self.net.lock:
+            self.net.served_changed.notify_all()  # woken once the lock is let go, with the new copy served
             if callable(tensors):  # made when a downloader asks (``Group.serve``)
                 self.net.lazy[(self.me, self.name)] = (tensors, self.codec)
                 self.net.served[(self.me, self.name)] = Served(dict(meta), [])
@@ -294,15 +296,29 @@ class LocalTransport:
         return LocalGroup(self.net, self.me, name, serves_only=True, codec=codec)
 
     def fetch(
-        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        peer: str,
+        name: str,
+        timeout: float,
+        accept: Callable[[dict[str, Any]], bool] | None = None,
+        hold_s: float = 0.0,
     ) -> Served | None:
         if self.net.fault("dead", peer):
             return None
         slow = self.net.fault("slow", peer)
         if slow is not None:
             time.sleep(min(slow.seconds, timeout))
-        garbled = self.net.fault("garble", peer)
+        garbled, held = self.net.fault("garble", peer), 0.0
         with self.net.lock:
+            if accept is not None and hold_s > 0:  # as a holder on hivemind holds a refused ask
+
+                def offered() -> bool:
+                    served = self.net.served.get((peer, name))
+                    return served is not None and metadata_accepted(accept, served.meta)
+
+                began = time.monotonic()
+                if self.net.served_changed.wait_for(offered, timeout=min(hold_s, timeout)):
+                    held = time.monotonic() - began
             served, lazy = self.net.served.get((peer, name)), self.net.lazy.get((peer, name))
             if (
                 served is not None
@@ -325,7 +341,8 @@ class LocalTransport:
             return Served(dict(served.meta), list(served.tensors))
         # like hivemind's transport: expert copies travel as fp16, or with the server's codec
         half = not is_dense_group(name) and self.net.server_codecs.get(name) is None
-        return Served(dict(served.meta), [t.half() if half else t.clone() for t in served.tensors])
+        tensors = [t.half() if half else t.clone() for t in served.tensors]
+        return Served(dict(served.meta), tensors, held if tensors else 0.0)
 
     def close_groups(self, groups: Sequence[LocalGroup]) -> None:
         for g in groups:

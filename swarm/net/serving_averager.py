@@ -1,7 +1,7 @@
 """The averager behind a ``HivemindGroup``: it serves a copy apart from its buffers, to members only.
 
     averager = ServingAverager(buffers, dht, prefix="demo_dense", swarm_key=key, ...)  # hivemind's arguments
-    meta, tensors = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)      # in the DHT's process
+    meta, tensors, held_s = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)  # in the DHT's process
 
 hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``HivemindGroup.serve``) is what
 downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
@@ -9,12 +9,17 @@ group size it waits for is set step by step (``expect_members``); and with a swa
 its member token: in its gathered info to join a group, in its request to download. With an allowlist,
 only listed peers are followed as leaders. Its part of each all-reduce is reduced by ``rule`` with every
 sender weighted 1 (``ruled_allreduce``). hivemind's own
-``rpc_download_state`` is closed. Nothing here unpickles what a caller sent. It never lists itself under
+``rpc_download_state`` is closed. A caller that saw metadata not worth a copy may ask to be answered when
+it changes (``rpc_served_metadata``, held up to ``HOLD_MAX_S``), so a downloader gets a holder's new copy
+the moment it is served instead of at its next poll. Nothing here unpickles what a caller sent. It never lists itself under
 hivemind's ``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that
 listing, stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
 """
 
 from __future__ import annotations
+
+import asyncio
+import hashlib
 
 # hivemind tells streaming handlers by typing's alias (``hint._name``): collections.abc's is not seen
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -33,6 +38,9 @@ from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
+# the longest a metadata probe is held for a change, whatever the caller asks (each held probe is a waiting
+# coroutine in the averager's process)
+HOLD_MAX_S = 2.0
 ANNOUNCE_PART = 8192
 LAST_ROUND_BITS = "1"  # group bits of a last round's matchmaking key (ordinary rounds': none)
 # hivemind waits for a new averager with no timeout; one whose request to its DHT process (for the p2p
@@ -174,6 +182,14 @@ class ServingAverager(hivemind.DecentralizedAverager):
         self._announcing = ([] if index == 0 else getattr(self, "_announcing", [])) + [part]
         if index == total - 1:
             self._announced, self._announcing = b"".join(self._announcing), []
+            changed, self._changed = self._changed_event(), asyncio.Event()
+            changed.set()  # wakes the probes held for a change (``rpc_served_metadata``)
+
+    def _changed_event(self) -> asyncio.Event:
+        # made in the averager's own process and loop, on first use
+        if getattr(self, "_changed", None) is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def _admits(self, token: object, context: P2PContext) -> bool:
         key = self.swarm_key
@@ -209,9 +225,20 @@ class ServingAverager(hivemind.DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> averaging_pb2.DownloadData:
         """The served copy's metadata alone: a downloader polling for a fresh copy asks this, and neither
-        the copy nor the host process is touched (hivemind's own download pickles the copy from the host)."""
+        the copy nor the host process is touched (hivemind's own download pickles the copy from the host).
+
+        A probe that names the metadata it saw (``schema_hash``: its ``metadata_digest``) and how long it
+        may wait (``expiration``, seconds) is answered once the metadata differs from that, or when the wait
+        (at most ``HOLD_MAX_S``) is over."""
         if not self._admits(request.gather, context):
             return averaging_pb2.DownloadData()
+        changed, hold = self._changed_event(), min(request.expiration, HOLD_MAX_S)  # NaN: not held
+        seen = getattr(self, "_announced", b"")
+        if request.schema_hash and hold > 0 and metadata_digest(seen) == request.schema_hash:
+            try:
+                await asyncio.wait_for(changed.wait(), hold)
+            except asyncio.TimeoutError:
+                pass
         return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
 
     def expect_members(self, n: int | None, last: bool = False) -> None:
@@ -254,28 +281,54 @@ class ServingAverager(hivemind.DecentralizedAverager):
                 await p2p.shutdown()
 
 
+def metadata_digest(blob: bytes) -> bytes:
+    """What a probe names the served metadata it saw by (``rpc_served_metadata``)."""
+    return hashlib.blake2b(blob, digest_size=16).digest()
+
+
 async def fetch_copy(
-    dht, node, peer: str, prefix: str, timeout: float, token: bytes, accept=None, max_bytes: int | None = None
+    dht,
+    node,
+    peer: str,
+    prefix: str,
+    timeout: float,
+    token: bytes,
+    accept=None,
+    max_bytes: int | None = None,
+    hold_s: float = 0.0,
 ):
     """Runs inside the DHT process (``dht.run_coroutine``): stream one group's served copy from ``peer``,
     showing our member ``token`` (b"" without a swarm key). A copy larger than ``max_bytes`` is cut off and
     gives None (a holder must not be able to fill our memory).
     Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
     ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
-    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile)."""
-    import asyncio
-
+    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). Refused
+    metadata is asked again, held by the holder until it changes, for up to ``hold_s`` in all.
+    Gives (metadata, tensors, seconds held before the metadata was accepted), or None."""
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.p2p import PeerID
     from hivemind.utils.streaming import combine_from_streaming
 
     async def fetch():
         stub = ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        held_s = 0.0
         if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
             probe = await stub.rpc_served_metadata(averaging_pb2.JoinRequest(gather=token))
-            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
-            if not metadata_accepted(accept, meta):
-                return meta, []
+            while True:
+                meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
+                if metadata_accepted(accept, meta):
+                    break
+                left = began + hold_s - loop.time()
+                if left <= 0:
+                    return meta, [], 0.0
+                seen = metadata_digest(probe.metadata)
+                ask = averaging_pb2.JoinRequest(gather=token, schema_hash=seen, expiration=left)
+                probe = await stub.rpc_served_metadata(ask)
+                if metadata_digest(probe.metadata) == seen:  # held to the end, or a holder that holds nothing
+                    return meta, [], 0.0
+            held_s = loop.time() - began
         stream = await stub.rpc_fetch_copy(averaging_pb2.JoinRequest(gather=token))
         meta, parts, tensors, size = None, [], [], 0
         async for msg in stream:
@@ -287,14 +340,14 @@ async def fetch_copy(
                 meta = MSGPackSerializer.loads(msg.metadata)
                 if accept is not None and not metadata_accepted(accept, meta):
                     await stream.aclose()
-                    return meta, []
+                    return meta, [], held_s
             if msg.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
             parts.append(msg.tensor_part)
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return meta, tensors
+        return meta, tensors, held_s
 
     try:
         return await asyncio.wait_for(fetch(), timeout)

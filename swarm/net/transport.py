@@ -55,6 +55,7 @@ class Served:
 
     meta: dict[str, Any]
     tensors: list[torch.Tensor]
+    held_s: float = 0.0  # how long the holder held our ask before it served what ``accept`` took
 
 
 def metadata_accepted(accept: Callable[[dict[str, Any]], bool], meta: Any) -> bool:
@@ -158,11 +159,18 @@ class GroupTransport(Protocol):
         ...
 
     def fetch(
-        self, peer: str, name: str, timeout: float, accept: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        peer: str,
+        name: str,
+        timeout: float,
+        accept: Callable[[dict[str, Any]], bool] | None = None,
+        hold_s: float = 0.0,
     ) -> Served | None:
         """What ``peer`` serves under ``name``, or None on any failure or timeout. ``accept`` (picklable: it
         may run in another process) sees the metadata first: when it refuses it, the tensors do not travel
-        (``Served(meta, [])``), so that polling a holder for a fresh copy costs a few bytes, not the copy."""
+        (``Served(meta, [])``), so that polling a holder for a fresh copy costs a few bytes, not the copy.
+        ``hold_s``: for up to this long (within ``timeout``) the holder answers a refused ask again as soon
+        as what it serves changes, so a copy that becomes fresh comes at once instead of at the next poll."""
         ...
 
     def close_groups(self, groups: Sequence[Group]) -> None:
