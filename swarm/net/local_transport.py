@@ -310,14 +310,12 @@ class LocalTransport:
             time.sleep(min(slow.seconds, timeout))
         garbled, held = self.net.fault("garble", peer), 0.0
         with self.net.lock:
-            if accept is not None and hold_s > 0:  # as a holder on hivemind holds a refused ask
-
-                def offered() -> bool:
-                    served = self.net.served.get((peer, name))
-                    return served is not None and metadata_accepted(accept, served.meta)
-
+            before = self.net.served.get((peer, name))
+            refused = accept is not None and (before is None or not metadata_accepted(accept, before.meta))
+            if refused and hold_s > 0:  # held until it serves anything new, as on hivemind
                 began = time.monotonic()
-                if self.net.served_changed.wait_for(offered, timeout=min(hold_s, timeout)):
+                changed = lambda: self.net.served.get((peer, name)) is not before  # noqa: E731
+                if self.net.served_changed.wait_for(changed, timeout=min(hold_s, timeout)):
                     held = time.monotonic() - began
             served, lazy = self.net.served.get((peer, name)), self.net.lazy.get((peer, name))
             if (

@@ -303,7 +303,7 @@ async def fetch_copy(
     Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
     ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
     ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). Refused
-    metadata is asked again, held by the holder until it changes, for up to ``hold_s`` in all.
+    metadata is asked once more, held by the holder until it changes (up to ``hold_s``).
     Gives (metadata, tensors, seconds held before the metadata was accepted), or None."""
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.p2p import PeerID
@@ -316,19 +316,17 @@ async def fetch_copy(
         held_s = 0.0
         if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
             probe = await stub.rpc_served_metadata(averaging_pb2.JoinRequest(gather=token))
-            while True:
-                meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
-                if metadata_accepted(accept, meta):
-                    break
-                left = began + hold_s - loop.time()
-                if left <= 0:
+            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
+            if not metadata_accepted(accept, meta):
+                if hold_s <= 0:
                     return meta, [], 0.0
                 seen = metadata_digest(probe.metadata)
-                ask = averaging_pb2.JoinRequest(gather=token, schema_hash=seen, expiration=left)
-                probe = await stub.rpc_served_metadata(ask)
-                if metadata_digest(probe.metadata) == seen:  # held to the end, or a holder that holds nothing
+                ask = averaging_pb2.JoinRequest(gather=token, schema_hash=seen, expiration=hold_s)
+                probe = await stub.rpc_served_metadata(ask)  # answered when that changes (or not held)
+                meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
+                if not metadata_accepted(accept, meta):  # what it serves now is for the caller to judge
                     return meta, [], 0.0
-            held_s = loop.time() - began
+                held_s = loop.time() - began
         stream = await stub.rpc_fetch_copy(averaging_pb2.JoinRequest(gather=token))
         meta, parts, tensors, size = None, [], [], 0
         async for msg in stream:
