@@ -339,8 +339,10 @@ class ExpertDownloads:
                     return served  # fresh from this round, or from a holder behind us and newer than ours
                 if not fits_any(served.meta, bases):
                     return None  # fresh, but no change against a copy of ours: a whole copy will do
-            # asked again no sooner than ``retry`` after the last ask (a held ask has waited already)
-            pause = max(0.0, retry - (time.monotonic() - asked))
+            # asked again at once when the next ask is held (the holder does the waiting), else no sooner
+            # than ``retry`` after the last ask
+            held_next = not groups_done and give_up - time.monotonic() - RETRY_S > FIRST_RETRY_S
+            pause = 0.0 if held_next else max(0.0, retry - (time.monotonic() - asked))
             if groups_done is not None:
                 groups_done.wait(pause)  # woken when our groups are done
             else:
