@@ -7,7 +7,7 @@ import torch
 
 from swarm.net.expert_download import HOLD_S, ExpertDownloads
 from swarm.net.expert_server import ExpertServer
-from swarm.net.local_transport import LocalNetwork
+from swarm.net.local_transport import Fault, LocalNetwork
 from swarm.net.served_steps import Fresh, served_steps
 from swarm.sync.codecs import codec_named
 
@@ -59,6 +59,18 @@ def test_a_copy_that_is_served_while_we_ask_comes_in_that_ask():
     polls = _moved(net)
     assert polls[-1] == 32 and polls[:-1] in ([], [0]), polls
     assert downloads.waited_s < HOLD_S  # held until the copy was served, not to the end of the hold
+
+
+def test_a_holder_that_answers_held_asks_at_once_is_polled_not_asked_without_pause():
+    """A holder that never holds an ask (an older version, or one that will not) is asked on the poll's
+    schedule, from 0.05 s to every 0.5 s: about 7 asks in 2.5 s, not one after another."""
+    net = LocalNetwork(faults=[Fault("unheld", peer="b")])
+    server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    server.update({"expert3": [torch.full((8, 4), 0.5)]}, step=90, final=False)  # never fresh for step 100
+    mine = {3: [torch.full((8, 4), 0.6)]}
+    got, _, failures = downloads.fetch({3: [("b", 100)]}, mine, 100, False, time.monotonic() + 3.0)
+    assert got == {} and len(failures) == 1 and "no fresh copy" in failures[0], failures
+    assert 3 <= len(_moved(net)) <= 12 and set(_moved(net)) == {0}, _moved(net)
 
 
 def test_a_holder_behind_us_is_taken_as_it_is_and_a_final_copy_is_awaited_after_one_whole_answer():

@@ -339,10 +339,11 @@ class ExpertDownloads:
                     return served  # fresh from this round, or from a holder behind us and newer than ours
                 if not fits_any(served.meta, bases):
                     return None  # fresh, but no change against a copy of ours: a whole copy will do
-            # asked again at once when the next ask is held (the holder does the waiting), else no sooner
-            # than ``retry`` after the last ask
+            # asked again no sooner than ``retry`` after the last ask (a held ask has mostly waited that long
+            # already; a holder that answers held asks at once is polled), but at once after an ask that was
+            # not held when the next one is (the holder does the waiting)
             held_next = not groups_done and give_up - time.monotonic() - RETRY_S > FIRST_RETRY_S
-            pause = 0.0 if held_next else max(0.0, retry - (time.monotonic() - asked))
+            pause = 0.0 if held_next and hold <= 0 else max(0.0, retry - (time.monotonic() - asked))
             if groups_done is not None:
                 groups_done.wait(pause)  # woken when our groups are done
             else:

@@ -20,7 +20,8 @@ member gets (mean - its own) back encoded, except in the share it reduced itself
 - ``silent``: the peer publishes no round digest (in any round: give no ``round``);
 - ``dead``: nobody can download from the peer;
 - ``slow``: a download from the peer takes ``seconds`` (a slow link);
-- ``garble``: what the peer serves comes with malformed metadata.
+- ``garble``: what the peer serves comes with malformed metadata;
+- ``unheld``: the peer answers every download at once, also one asked to wait for a new copy (``hold_s``).
 
 Following torchft's fault-injecting process group: tests of the protocol rules run in seconds, with no
 processes, sockets or sleeps on the wall clock beyond the windows they configure.
@@ -46,7 +47,7 @@ from swarm.sync.robust_mean import AggregationRule
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # drop | partial | nan | scale | delay | silent | dead | slow | garble
+    kind: str  # drop | partial | nan | scale | delay | silent | dead | slow | garble | unheld
     peer: str
     round: int | None = None  # the round index in the members' info; None: every round
     seconds: float = 0.0  # delay, slow
@@ -312,7 +313,7 @@ class LocalTransport:
         with self.net.lock:
             before = self.net.served.get((peer, name))
             refused = accept is not None and (before is None or not metadata_accepted(accept, before.meta))
-            if refused and hold_s > 0:  # held until it serves anything new, as on hivemind
+            if refused and hold_s > 0 and not self.net.fault("unheld", peer):  # as a hivemind holder holds
                 began = time.monotonic()
                 changed = lambda: self.net.served.get((peer, name)) is not before  # noqa: E731
                 if self.net.served_changed.wait_for(changed, timeout=min(hold_s, timeout)):

@@ -215,8 +215,13 @@ class ServingAverager(hivemind.DecentralizedAverager):
     async def rpc_fetch_copy(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """The served copy (metadata, then tensors) for a caller whose token (``request.gather``) admits it."""
+        """The served copy (metadata, then tensors) for a caller whose token (``request.gather``) admits it.
+        Held as ``rpc_served_metadata`` holds a probe: held to its end with nothing new served, it answers
+        with the metadata alone (the caller saw that copy, and did not want it)."""
         if not self._admits(request.gather, context):
+            return
+        if await self._held_in_vain(request):
+            yield averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
             return
         async for message in super().rpc_download_state(averaging_pb2.DownloadRequest(), context):
             yield message
@@ -232,14 +237,23 @@ class ServingAverager(hivemind.DecentralizedAverager):
         (at most ``HOLD_MAX_S``) is over."""
         if not self._admits(request.gather, context):
             return averaging_pb2.DownloadData()
-        changed, hold = self._changed_event(), min(request.expiration, HOLD_MAX_S)  # NaN: not held
-        seen = getattr(self, "_announced", b"")
-        if request.schema_hash and hold > 0 and metadata_digest(seen) == request.schema_hash:
-            try:
-                await asyncio.wait_for(changed.wait(), hold)
-            except asyncio.TimeoutError:
-                pass
+        await self._held_in_vain(request)
         return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
+
+    async def _held_in_vain(self, request: averaging_pb2.JoinRequest) -> bool:
+        """Wait while what we serve is what the caller saw (``schema_hash``), up to the seconds it allows
+        (``expiration``, at most ``HOLD_MAX_S``); whether it still is. A request that names nothing is not
+        held."""
+        changed, hold = self._changed_event(), min(request.expiration, HOLD_MAX_S)  # NaN: not held
+        if not request.schema_hash or not hold > 0:
+            return False
+        if metadata_digest(getattr(self, "_announced", b"")) != request.schema_hash:
+            return False
+        try:
+            await asyncio.wait_for(changed.wait(), hold)
+        except asyncio.TimeoutError:
+            return True
+        return False
 
     def expect_members(self, n: int | None, last: bool = False) -> None:
         """Before a step: the group it forms may begin as soon as ``n`` members are in, and a ``last``
@@ -302,8 +316,9 @@ async def fetch_copy(
     gives None (a holder must not be able to fill our memory).
     Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
     ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
-    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). Refused
-    metadata is asked once more, held by the holder until it changes (up to ``hold_s``).
+    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). After
+    refused metadata, with ``hold_s``, the copy is asked for held: the holder sends it once it serves
+    anything new (up to ``hold_s``), or its metadata alone.
     Gives (metadata, tensors, seconds held before the metadata was accepted), or None."""
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.p2p import PeerID
@@ -313,22 +328,19 @@ async def fetch_copy(
         stub = ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
         loop = asyncio.get_running_loop()
         began = loop.time()
-        held_s = 0.0
+        ask, held = averaging_pb2.JoinRequest(gather=token), False
         if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
-            probe = await stub.rpc_served_metadata(averaging_pb2.JoinRequest(gather=token))
+            probe = await stub.rpc_served_metadata(ask)
             meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
             if not metadata_accepted(accept, meta):
                 if hold_s <= 0:
                     return meta, [], 0.0
-                seen = metadata_digest(probe.metadata)
+                # the copy itself, asked at once but sent only once the holder serves anything new: one
+                # request after the copy changes, not two (each may wait behind a full link's queue)
+                seen, held = metadata_digest(probe.metadata), True
                 ask = averaging_pb2.JoinRequest(gather=token, schema_hash=seen, expiration=hold_s)
-                probe = await stub.rpc_served_metadata(ask)  # answered when that changes (or not held)
-                meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
-                if not metadata_accepted(accept, meta):  # what it serves now is for the caller to judge
-                    return meta, [], 0.0
-                held_s = loop.time() - began
-        stream = await stub.rpc_fetch_copy(averaging_pb2.JoinRequest(gather=token))
-        meta, parts, tensors, size = None, [], [], 0
+        stream = await stub.rpc_fetch_copy(ask)
+        meta, parts, tensors, size, held_s = None, [], [], 0, 0.0
         async for msg in stream:
             size += len(msg.tensor_part.buffer) + len(msg.metadata)
             if max_bytes is not None and size > max_bytes:
@@ -336,9 +348,12 @@ async def fetch_copy(
                 return None
             if msg.metadata:
                 meta = MSGPackSerializer.loads(msg.metadata)
+                held_s = loop.time() - began if held else 0.0
                 if accept is not None and not metadata_accepted(accept, meta):
-                    await stream.aclose()
-                    return meta, [], held_s
+                    await stream.aclose()  # what it serves now is for the caller to judge
+                    return meta, [], 0.0
+            if not (msg.tensor_part.dtype or msg.tensor_part.buffer):  # metadata alone (a hold in vain)
+                continue
             if msg.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
