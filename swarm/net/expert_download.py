@@ -8,8 +8,8 @@ holder has that we want. The freshest holder of each expert is asked first (a ho
 nothing the time before, last), the next one for what it could not give; holders are asked at once (a
 thread each), so a round waits for the slowest, not for their sum. In an ordinary round a holder still in
 the same round is asked again until the deadline (its result is the copy worth having): once it has shown
-an older copy, each ask is held by the holder until it serves a new one, so the copy comes when it is
-served, not at the next poll. A holder behind us is taken as it is. After the last round only the holder's
+an older copy, each ask for the copy is held by the holder until it serves a new one, so the copy comes
+when it is served, not at the next poll. A holder behind us is taken as it is. After the last round only the holder's
 final copy will do (every peer must end with it), up to the deadline; from a holder behind us, only a
 copy newer than the one we hold (``held``), for a few seconds. Every copy passes the tensor checks against
 ours, and stays fp16 as it travelled. Copies of one fetch must also move alike: one whose change since our
