@@ -20,7 +20,7 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   links: about 1.8x on H100 peers at 58f2243, where later rounds took 1.25x);
   ``phase_s``: where a round's time went (median seconds per phase, ``RoundRecord.phase_seconds``),
   ``startup_s`` how long its own start-up took (``RoundRecord.startup_s``: on hivemind, within
-  matchmaking), and
+  matchmaking) and ``startup_parts_s`` where it went (``RoundRecord.startup_seconds``), and
   ``check_s`` where its checks' went (``RoundRecord.check_seconds``), ``downloads_s`` when a refresh
   round's downloads began and ended and how long the longest waited for a holder's fresh copy;
   ``round_fit``: a round's seconds as ``fixed_s`` + ``per_payload`` x its payload's seconds on the link
@@ -212,6 +212,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
     uses, startups, by_peer = [], [], []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {}
     fetches: dict[str, list[float]] = {}
     for i in range(n):
         recs = read_jsonl(run / f"peer{i}" / "metrics.jsonl")
@@ -237,6 +238,8 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
                 phases.setdefault(phase, []).append(s)
             for part, s in r.check_seconds.items():
                 checks.setdefault(part, []).append(s)
+            for part, s in r.startup_seconds.items():
+                starts.setdefault(part, []).append(s)
             if r.startup_s is not None:
                 startups.append(r.startup_s)
             if r.downloads_ended_s is not None:  # a refresh round
@@ -264,6 +267,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         "round_s": round(statistics.median(s for s, _ in seconds), 2) if seconds else None,
         "phase_s": {p: round(statistics.median(v), 2) for p, v in phases.items()},
         "startup_s": round(statistics.median(startups), 2) if startups else None,
+        "startup_parts_s": {p: round(statistics.median(v), 3) for p, v in starts.items()},
         "check_s": {p: round(statistics.median(v), 2) for p, v in checks.items()},
         "downloads_s": {k: round(statistics.median(v), 2) for k, v in fetches.items()},
         "round_fit": round_fit(points),

@@ -34,6 +34,9 @@ def test_replicated_experts_average_to_the_exact_weighted_mean(r):
         assert list(phases) == ["matchmaking", "allreduce", "checks", "downloads", "merge"], phases
         assert abs(sum(phases.values()) - rec.sync_seconds) < 0.01 and min(phases.values()) >= 0
         assert 0 <= rec.startup_s <= rec.sync_seconds, rec.startup_s
+        parts = rec.startup_seconds  # the start-up's parts, within it
+        assert sorted(parts) == ["encode", "residuals", "serve", "start"] and min(parts.values()) >= 0, parts
+        assert sum(parts.values()) <= rec.startup_s + 0.005, (parts, rec.startup_s)
         checks = rec.check_seconds  # within the checks (and, for all but the last group, the all-reduce)
         assert (
             sorted(checks) == ["await", "digest", "publish", "serve", "verify"] and min(checks.values()) >= 0

@@ -195,8 +195,10 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         # a robust rule weights members equally: a weight is only what a member says of itself
         weights = {item: plan.weights[item] if weighted(ctx) else 1.0 for item in spec.items}
         try:
+            since = time.monotonic()
             payload = ctx.payloads.encode(spec, local, weights)
             info = our_info(ctx, spec, view, plan.step, plan.index, plan.last, weights, payload.reference)
+            since = add_time(rec.startup_seconds, "encode", since)
             if early is not None and early.reference == payload.reference:
                 handle = group.trigger(early.handle, payload.tensors)
                 rec.met_early.append(_label(spec))
@@ -212,17 +214,21 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             started.append((spec, None, None))
             continue
         started.append((spec, group, (handle, payload)))
+        add_time(rec.startup_seconds, "start", since)
     all_started.set()
     # the rest of the start-up is CPU work that our groups' members do not wait for, so it is done once the
     # groups look for members, not before (with a lossy codec it is a codec pass over our experts and our
     # payload, and int8 GPU peers' matchmaking phase took 0.47 s, median, against fp32's 0.09 s)
+    since = time.monotonic()
     if plan.refresh:
         ctx.server.update({expert_item(e): plan.experts[e] for e in plan.sole}, plan.step, final=False)
         if lagged:  # what our last round agreed
             ctx.server.publish_staged()
+    since = add_time(rec.startup_seconds, "serve", since)
     for *_, started_as in started:
         if started_as is not None:
             started_as[1].residuals  # noqa: B018 (error feedback's residual, cached: taken during the all-reduce)
+    add_time(rec.startup_seconds, "residuals", since)
     rec.startup_s = round(time.monotonic() - t0, 3)
 
     # all outcomes first, each digest published as soon as its outcome passes the checks, and only then

@@ -52,6 +52,10 @@ class RoundRecord:
     # seconds into the round every group had started and our experts' new copies were served (our own
     # start-up work: snapshots read, payloads encoded; the groups' members meanwhile meet or all-reduce)
     startup_s: float | None = None
+    # where that start-up went, summed over the round's groups: "encode" (payloads encoded, our round info),
+    # "start" (groups started, or met-early ones triggered), "serve" (our experts' new copies served: what
+    # downloaders wait for), "residuals" (error feedback's, taken while the groups all-reduce)
+    startup_seconds: dict[str, float] = field(default_factory=dict)
     downloads_began_s: float | None = None  # seconds into the round the downloads began (refresh rounds)
     downloads_ended_s: float | None = None  # ... and ended
     downloads_waited_s: float | None = None  # the longest a holder's copy was waited for to be fresh
