@@ -4,18 +4,18 @@
     got, rejected, failures = downloads.fetch({5: [(peer, step)], ...}, mine, step=100, final=False, deadline=t)
 
 Each holder serves its local experts under one name (``<run>_experts``): one request brings every expert a
-holder has that we want. The freshest holder of each expert is asked first (a holder that served us
-nothing the time before, last), the next one for what it could not give; holders are asked at once (a
-thread each), so a round waits for the slowest, not for their sum. In an ordinary round a holder still in
-the same round is asked again until the deadline (its result is the copy worth having): once it has shown
-an older copy, each ask for the copy is held by the holder until it serves a new one, so the copy comes
-when it is served, not at the next poll. A holder behind us is taken as it is. After the last round only the holder's
-final copy will do (every peer must end with it), up to the deadline; from a holder behind us, only a
-copy newer than the one we hold (``held``), for a few seconds. Every copy passes the tensor checks against
-ours, and stays fp16 as it travelled. Copies of one fetch must also move alike: one whose change since our
-copy is far above the median change of the fetch's copies (``outlying_changes``), or whose norm is far off
-ours or which points away from ours (``copy_doubt``: a holder that negated, zeroed or scaled what it
-serves) is refused, and asked of the next holder.
+holder has that we want. The freshest holder of each expert is asked first (a holder that served us nothing
+the time before, last), the next one for what it could not give; holders are asked at once (a thread each),
+so a round waits for the slowest, not for their sum. In an ordinary round a holder still in the same round
+is asked again until the deadline (its result is the copy worth having): once it has shown an older copy,
+each ask for the copy is held by the holder until it serves a new one, so the copy comes when it is served,
+not at the next poll. A holder behind us is taken as it is. After the last round only the holder's final
+copy will do (every peer must end with it), up to the deadline; from a holder behind us, only a copy newer
+than the one we hold (``held``), for a few seconds. Every copy passes the tensor checks against ours, and
+stays fp16 as it travelled. Copies of one fetch must also move alike: one whose change since our copy is far
+above the median change of the fetch's copies (``outlying_changes``), or whose norm is far off ours or which
+points away from ours (``copy_doubt``: a holder that negated, zeroed or scaled what it serves) is refused,
+and asked of the next holder.
 
 With a lossy codec (``deltas_name``: the holders' ``ExpertServer`` serves changes), an expert whose copy came
 from a holder is refreshed from that holder's change against it, encoded by the codec, when the change

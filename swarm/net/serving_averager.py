@@ -1,19 +1,19 @@
 """The averager behind a ``HivemindGroup``: it serves a copy apart from its buffers, to members only.
 
     averager = ServingAverager(buffers, dht, prefix="demo_dense", swarm_key=key, ...)  # hivemind's arguments
-    meta, tensors, held_s = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)  # in the DHT's process
+    meta, tensors, held_s = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)  # DHT's process
 
 hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``HivemindGroup.serve``) is what
 downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
 group size it waits for is set step by step (``expect_members``); and with a swarm key every caller shows
 its member token: in its gathered info to join a group, in its request to download. With an allowlist,
 only listed peers are followed as leaders. Its part of each all-reduce is reduced by ``rule`` with every
-sender weighted 1 (``ruled_allreduce``). hivemind's own
-``rpc_download_state`` is closed. A caller that saw metadata not worth a copy may ask to be answered when
-it changes (``rpc_served_metadata``, held up to ``HOLD_MAX_S``), so a downloader gets a holder's new copy
-the moment it is served instead of at its next poll. Nothing here unpickles what a caller sent. It never lists itself under
-hivemind's ``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that
-listing, stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
+sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is closed. A caller that saw
+metadata not worth a copy may ask for the copy to be sent once that changes (``rpc_fetch_copy``, held up
+to ``HOLD_MAX_S``), so a downloader gets a holder's new copy the moment it is served, not at its next
+poll. Nothing here unpickles what a caller sent. It never lists itself under hivemind's
+``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that listing,
+stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
-# the longest a metadata probe is held for a change, whatever the caller asks (each held probe is a waiting
-# coroutine in the averager's process)
+# the longest an ask is held for a change, whatever the caller asks (each held ask is a waiting coroutine
+# in the averager's process)
 HOLD_MAX_S = 2.0
 ANNOUNCE_PART = 8192
 LAST_ROUND_BITS = "1"  # group bits of a last round's matchmaking key (ordinary rounds': none)
@@ -183,7 +183,7 @@ class ServingAverager(hivemind.DecentralizedAverager):
         if index == total - 1:
             self._announced, self._announcing = b"".join(self._announcing), []
             changed, self._changed = self._changed_event(), asyncio.Event()
-            changed.set()  # wakes the probes held for a change (``rpc_served_metadata``)
+            changed.set()  # wakes the asks held for a change (``_held_in_vain``)
 
     def _changed_event(self) -> asyncio.Event:
         # made in the averager's own process and loop, on first use
