@@ -31,7 +31,8 @@ trains ``--rounds`` sync intervals with the codec under test and stops; then, pe
   more, ``tail_s`` those after it last did;
   each peer's link timeline (wall time, bytes sent, bytes received, every 50 ms) is kept in its run
   directory as ``link.jsonl``;
-- ``skipped_share``: sync points skipped because the previous round was still in flight;
+- ``skipped_share``: sync points at which no round started, and ``skipped_reasons`` how many for each
+  reason ("previous round still in flight", "too close to the last round" near the step limit, ...);
 - ``val_loss``: the peers' validation loss after the run (mean).
 
 Stopped by SIGINT or SIGTERM while its peers train, a run is still measured from the rounds they took so
@@ -209,6 +210,7 @@ def round_fit(points: list[tuple[float, float]]) -> dict | None:
 
 def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, links: LinkSampler) -> dict:
     n, per_round, in_round, link, skipped, started, losses = args.peers, [], [], [], 0, 0, []
+    reasons: dict[str, int] = {}
     uses, startups, by_peer = [], [], []
     phases: dict[str, list[float]] = {}
     checks: dict[str, list[float]] = {}
@@ -219,6 +221,9 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         rounds = [RoundRecord.from_dict(r) for r in recs if RoundRecord.is_round(r)]
         ordinary = [r for r in rounds if r.started and not r.last]
         skipped += sum(not r.started for r in rounds)
+        for r in rounds:
+            if not r.started:
+                reasons[r.reason] = reasons.get(r.reason, 0) + 1
         started += len(ordinary)
         totals = [r.wire_total for r in ordinary if r.wire_total is not None]
         if len(totals) >= 2:
@@ -278,6 +283,7 @@ def measure(args, cfg: RunConfig, run: Path, codes, before, after, wall: float, 
         if any(uses)
         else None,
         "skipped_share": round(skipped / max(1, skipped + started), 3),
+        "skipped_reasons": reasons,
         "val_loss": round(statistics.mean(losses), 4) if len(losses) == n else None,
         "rounds": started,
         "exit_codes": codes,
