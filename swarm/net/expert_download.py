@@ -298,10 +298,14 @@ class ExpertDownloads:
             # held once the holder has shown it serves these, only older (a holder that serves none of them
             # may never: a changes server before its second round), not past our patience, and not in a
             # lagged refresh (which asks no longer than our groups take)
-            hold = min(HOLD_S, give_up - time.monotonic() - RETRY_S) if listed and not groups_done else 0.0
+            hold = (
+                max(0.0, min(HOLD_S, give_up - time.monotonic() - RETRY_S))
+                if listed and not groups_done
+                else 0.0
+            )
             asked = time.monotonic()
             served = self.transport.fetch(
-                peer, name or self.server_name, min(left, self.download_s), fresh, max(0.0, hold)
+                peer, name or self.server_name, min(left, self.download_s), fresh, hold
             )
             if served is not None:  # every answer counts: tensors travel whole, or not at all (``fresh``)
                 encoded = name is not None and name == self.deltas_name
@@ -343,7 +347,7 @@ class ExpertDownloads:
             # already; a holder that answers held asks at once is polled), but at once after an ask that was
             # not held when the next one is (the holder does the waiting)
             held_next = not groups_done and give_up - time.monotonic() - RETRY_S > FIRST_RETRY_S
-            pause = 0.0 if held_next and hold <= 0 else max(0.0, retry - (time.monotonic() - asked))
+            pause = 0.0 if held_next and not hold else max(0.0, retry - (time.monotonic() - asked))
             if groups_done is not None:
                 groups_done.wait(pause)  # woken when our groups are done
             else:

@@ -5,9 +5,9 @@
 A received tensor part is decoded by the compression type written in its message, from hivemind's table of
 types, so the int8 codec is registered in that table under ``BLOCKWISE_8BIT`` (hivemind's own needs
 bitsandbytes, which the swarm does not use) and int4 under ``UNIFORM_8BIT`` when this module is imported,
-before any averager process is forked. Tensors of at most ``EXACT_MAX`` values travel as fp32 (type ``NONE``) with every codec, as
-``Codec.roundtrip`` assumes. The encoding is ``swarm.sync.codecs``'s, in torch only (hivemind's 8-bit
-quantizers fail under numpy 2, NOTES.md).
+before any averager process is forked. Tensors of at most ``EXACT_MAX`` values travel as fp32 (type
+``NONE``) with every codec, as ``Codec.roundtrip`` assumes. The encoding is ``swarm.sync.codecs``'s, in
+torch only (hivemind's 8-bit quantizers fail under numpy 2, NOTES.md).
 """
 
 from __future__ import annotations

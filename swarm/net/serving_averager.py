@@ -216,8 +216,11 @@ class ServingAverager(hivemind.DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The served copy (metadata, then tensors) for a caller whose token (``request.gather``) admits it.
-        Held as ``rpc_served_metadata`` holds a probe: held to its end with nothing new served, it answers
-        with the metadata alone (the caller saw that copy, and did not want it)."""
+
+        A request that names the metadata it saw (``schema_hash``: its ``metadata_digest``) and how long it
+        may wait (``expiration``, seconds) is held until the metadata differs from that; held to its end
+        (at most ``HOLD_MAX_S``) with nothing new served, it is answered with the metadata alone (the
+        caller saw that copy, and did not want it)."""
         if not self._admits(request.gather, context):
             return
         if await self._held_in_vain(request):
@@ -230,14 +233,9 @@ class ServingAverager(hivemind.DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> averaging_pb2.DownloadData:
         """The served copy's metadata alone: a downloader polling for a fresh copy asks this, and neither
-        the copy nor the host process is touched (hivemind's own download pickles the copy from the host).
-
-        A probe that names the metadata it saw (``schema_hash``: its ``metadata_digest``) and how long it
-        may wait (``expiration``, seconds) is answered once the metadata differs from that, or when the wait
-        (at most ``HOLD_MAX_S``) is over."""
+        the copy nor the host process is touched (hivemind's own download pickles the copy from the host)."""
         if not self._admits(request.gather, context):
             return averaging_pb2.DownloadData()
-        await self._held_in_vain(request)
         return averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
 
     async def _held_in_vain(self, request: averaging_pb2.JoinRequest) -> bool:
@@ -296,7 +294,7 @@ class ServingAverager(hivemind.DecentralizedAverager):
 
 
 def metadata_digest(blob: bytes) -> bytes:
-    """What a probe names the served metadata it saw by (``rpc_served_metadata``)."""
+    """What a held request names the served metadata it saw by (``rpc_fetch_copy``)."""
     return hashlib.blake2b(blob, digest_size=16).digest()
 
 
