@@ -5,12 +5,17 @@ bridge, each link shaped with ``tc`` in both directions. Needs root and iproute2
         lan.address(0)                          # "10.213.0.1": host 0's address inside its namespace
         lan.command(0, ["python", "-m", ...])   # argv that runs inside host 0's namespace
         lan.counters(0)                         # (bytes host 0 sent, bytes it received) at its link
+    with ShapedLan(hosts=5, mbit=100, rtt_ms=50) as lan: ...   # and 50 ms between any two hosts
 
-Shaping is a token bucket (``tbf``) on each side of a host's veth pair: egress inside the namespace limits
-what the host uploads, egress on the bridge side what it downloads, each at ``mbit``. This kernel has no
-``netem``, so no latency or loss is added: links are as fast as loopback in latency, limited in bandwidth
-only. Everything made here is named after this process's id and removed on exit, also after an error or an
-interruption; names left by a killed run are removed by ``remove_leftovers``.
+Shaping is a token bucket (``tbf``) on each side of a host's link: egress inside the namespace limits what
+the host uploads, egress on the bridge side what it downloads, each at ``mbit``. Without ``rtt_ms`` a link
+is a veth pair: as fast as loopback in latency, limited in bandwidth only. This kernel has no ``netem``
+(nor ``fq``), so with ``rtt_ms`` (0 included) a link is two TAP devices and ``delay_line`` carries the
+frames between them, each ``rtt_ms / 4`` late in each direction: a host's upload, then the receiver's
+download, so any two hosts are ``rtt_ms`` apart there and back; those links have an MTU of 9000 bytes
+(fewer frames for the delay line to carry). No loss is added, beyond what a full queue drops. Everything
+made here is named after this process's id and removed on exit, also after an error or an interruption;
+names left by a killed run are removed by ``remove_leftovers``.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.delay_line import open_tap
+
 SUBNET = "10.213.0"
 PREFIX = "swl"
+DELAYED_MTU = 9000
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -81,10 +89,11 @@ def prepare_benchmark() -> str | None:
 class ShapedLan:
     """See the module docstring. ``hosts``: at most 250."""
 
-    def __init__(self, hosts: int, mbit: float) -> None:
-        if not 1 <= hosts <= 250 or mbit <= 0:
-            raise ValueError("hosts must be in [1, 250] and mbit > 0")
-        self.hosts, self.mbit = hosts, mbit
+    def __init__(self, hosts: int, mbit: float, rtt_ms: float | None = None) -> None:
+        if not 1 <= hosts <= 250 or mbit <= 0 or (rtt_ms is not None and not 0 <= rtt_ms <= 10_000):
+            raise ValueError("hosts must be in [1, 250], mbit > 0 and rtt_ms in [0, 10000]")
+        self.hosts, self.mbit, self.rtt_ms = hosts, mbit, rtt_ms
+        self._delay_line: subprocess.Popen | None = None
         tag = f"{PREFIX}{os.getpid()}"
         self.bridge = f"{tag}b"
         self.namespaces = [f"{tag}n{i}" for i in range(hosts)]
@@ -102,6 +111,13 @@ class ShapedLan:
         stats = Path(f"/sys/class/net/{self.host_ends[i]}/statistics")
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
+    def delay_line_cpu_s(self) -> float | None:
+        """CPU seconds the delay line has used so far (None without one): what it took from the hosts."""
+        if self._delay_line is None:
+            return None
+        fields = Path(f"/proc/{self._delay_line.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def _shape(self, dev: str, netns: str | None = None) -> None:
         rate = f"{self.mbit}mbit"
         # a burst of at least a few ms at the link's rate (tbf needs rate / HZ at the very least)
@@ -114,12 +130,18 @@ class ShapedLan:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append(("link", self.bridge))
             _ip("link", "set", self.bridge, "up")
+            pairs = []
             for i, (ns, host_end) in enumerate(zip(self.namespaces, self.host_ends, strict=True)):
                 _ip("netns", "add", ns)
                 self._made.append(("netns", ns))
                 inner = f"{host_end}x"
-                _ip("link", "add", host_end, "type", "veth", "peer", "name", inner)
-                self._made.append(("link", host_end))
+                if self.rtt_ms is None:
+                    _ip("link", "add", host_end, "type", "veth", "peer", "name", inner)
+                    self._made.append(("link", host_end))
+                else:  # the delay line's TAP pair, alive while its descriptors are
+                    pairs.append((open_tap(inner), open_tap(host_end)))
+                    for dev in (inner, host_end):
+                        _ip("link", "set", dev, "mtu", str(DELAYED_MTU))
                 _ip("link", "set", inner, "netns", ns)
                 _ip("netns", "exec", ns, "ip", "link", "set", inner, "name", "eth0")
                 _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -129,13 +151,38 @@ class ShapedLan:
                 _ip("link", "set", host_end, "up")
                 self._shape("eth0", ns)  # what the host uploads
                 self._shape(host_end)  # what it downloads
+            if pairs:
+                self._start_delay_line(pairs)
         except BaseException:
             self.close()
             raise
         return self
 
+    def _start_delay_line(self, pairs: list[tuple[int, int]]) -> None:
+        """``delay_line`` with the TAP descriptors, which this process then closes: the devices live as long
+        as the delay line does, and it as long as we hold its stdin."""
+        fds = [fd for pair in pairs for fd in pair]
+        try:
+            cmd = [sys.executable, str(Path(__file__).with_name("delay_line.py")),
+                   "--delay-ms", f"{self.rtt_ms / 4:g}", "--pairs", *(f"{a},{b}" for a, b in pairs)]  # fmt: skip
+            self._delay_line = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, pass_fds=fds, start_new_session=True
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     def close(self) -> None:
-        """Remove everything made, newest first (deleting a namespace deletes the veth pair in it)."""
+        """Remove everything made, newest first (deleting a namespace deletes the veth pair in it; stopping
+        the delay line, its TAP devices)."""
+        if self._delay_line is not None:
+            self._delay_line.stdin.close()  # it stops at EOF
+            try:
+                self._delay_line.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._delay_line.kill()
+                self._delay_line.wait()
+            self._delay_line = None
         while self._made:
             kind, name = self._made.pop()
             if kind == "netns":

@@ -2,10 +2,14 @@
 
     sudo python benchmarks/wan.py --quick            # demo shape, 4 rounds per codec, ~10 min on 2 cores
     sudo python benchmarks/wan.py --mbit 100 --json  # demo and wide shapes, one JSON object per line
+    sudo python benchmarks/wan.py --quick --rtt-ms 50  # with 50 ms between any two peers, there and back
 
 A bootstrap peer and N peers (default 4) each run in a network namespace of their own, on links shaped to
-``--mbit`` in each direction (``netns_links``: tbf, no added latency: this kernel has no netem). Every peer
-trains ``--rounds`` sync intervals with the codec under test and stops; then, per codec and shape:
+``--mbit`` in each direction (``netns_links``: tbf). Without ``--rtt-ms`` no latency is added (this kernel
+has no netem); with it, a user-space delay line (``delay_line``) holds every frame so that any two peers are
+that many milliseconds apart there and back (links of 9000-byte frames; ``--rtt-ms 0``: the same links
+without the delay, the baseline to compare with). Every peer trains ``--rounds`` sync intervals with the
+codec under test and stops; then, per codec and shape:
 
 - ``bytes_per_round``: what a peer moved per round (sent + received, at its p2pd), everything from the end
   of its first ordinary round to the end of its last divided by the rounds between (so downloads it served
@@ -81,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="A swarm over shaped links, per codec (needs root).")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate in each direction (default 100)")
+    ap.add_argument("--rtt-ms", type=float, default=None,
+                    help="round-trip time between any two peers, added by a delay line (default: none)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=8, help="sync intervals each peer trains (default 8)")
     ap.add_argument("--codecs", default=",".join(CODECS),
                     help=f"comma-separated from {', '.join(KNOWN_CODECS)}; a/b: sync.codec a, sync.dense_codec b "
@@ -98,8 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.codecs if not set(c.split("/", 1)) <= set(KNOWN_CODECS)] + [
         s for s in args.shapes if s not in SHAPES
     ]
-    if bad or args.peers < 2 or args.rounds < 2:
-        ap.error(f"unknown codecs or shapes {bad}" if bad else "needs --peers >= 2 and --rounds >= 2")
+    if bad or args.peers < 2 or args.rounds < 2 or not 0 <= (args.rtt_ms or 0) <= 10_000:
+        ap.error(
+            f"unknown codecs or shapes {bad}"
+            if bad
+            else "needs --peers >= 2, --rounds >= 2, --rtt-ms in [0, 10000]"
+        )
     return args
 
 
@@ -154,7 +164,7 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     save_config(cfg, effective)
     py, procs = sys.executable, Processes()
     with (
-        ShapedLan(args.peers + 1, args.mbit) as lan,
+        ShapedLan(args.peers + 1, args.mbit, args.rtt_ms) as lan,
         LinkSampler(lan.counters, range(1, args.peers + 1)) as links,
     ):
         try:
@@ -179,9 +189,12 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
             wall = time.monotonic() - t0
             after = [lan.counters(i + 1) for i in range(args.peers)]
             codes = [p.poll() for p in peers]
+            line_cpu = lan.delay_line_cpu_s()
         finally:
             procs.stop()
     row = measure(args, cfg, run, codes, before, after, wall, links)
+    if line_cpu is not None:
+        row["delay_line_cpu_s"] = round(line_cpu, 1)
     return row | {"interrupted": True} if interrupted else row
 
 
@@ -304,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for shape in args.shapes:
             for codec in args.codecs:
-                print(f"{shape} / {codec}: {args.peers} peers at {args.mbit:g} Mbit/s, {args.rounds} rounds",
+                rtt = "" if args.rtt_ms is None else f", {args.rtt_ms:g} ms apart"
+                print(f"{shape} / {codec}: {args.peers} peers at {args.mbit:g} Mbit/s{rtt}, {args.rounds} rounds",
                       file=sys.stderr, flush=True)  # fmt: skip
                 row = {
                     "shape": shape,
                     "codec": codec,
+                    "rtt_ms": args.rtt_ms,
                     **run_swarm(args, shape, codec, base / f"{shape}_{codec.replace('/', '+')}"),
                 }
                 rows.append(row)
@@ -327,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\n{args.peers} peers, links of {args.mbit:g} Mbit/s each way, {args.rounds} rounds per run")
+    rtt = "no added latency" if args.rtt_ms is None else f"{args.rtt_ms:g} ms round trip"
+    print(
+        f"\n{args.peers} peers, links of {args.mbit:g} Mbit/s each way ({rtt}), {args.rounds} rounds per run"
+    )
     head = f"{'shape':6} {'codec':5} {'MB/round':>9} {'in round':>9} {'link MB':>8} {'ratio':>6} "
     print(head + f"{'round s':>8} {'round/link':>10} {'skipped':>8} {'val loss':>9}  phases (median s)")
 
