@@ -114,3 +114,30 @@ def _cmdline_has(proc: Path, path: Path) -> bool:
         return f"-listen=/unix{path}".encode() in (proc / "cmdline").read_bytes()
     except OSError:  # gone meanwhile
         return False
+
+
+def _daemon_environ(path: Path) -> dict[str, str]:
+    procs = [d for d in Path("/proc").iterdir() if d.name.isdigit() and _cmdline_has(d, path)]
+    assert len(procs) == 1, procs
+    pairs = (kv.split(b"=", 1) for kv in (procs[0] / "environ").read_bytes().split(b"\0") if b"=" in kv)
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+def test_the_p2p_daemon_dials_from_fresh_ports_unless_nat_traversal_needs_its_listening_one(monkeypatch):
+    """Two new peers that dial each other at once across a link with latency share one TCP connection when
+    both dial from their listening ports, and both fail its handshake (benchmarks/first_contact.py): the
+    daemon is told not to, in its own process only, and a user's own setting wins."""
+    import os
+
+    from swarm.net.dht_node import REUSEPORT_ENV
+
+    monkeypatch.delenv(REUSEPORT_ENV, raising=False)
+    for use_nat, user, expected in ((False, None, "false"), (True, None, None), (False, "true", "true")):
+        if user is not None:
+            monkeypatch.setenv(REUSEPORT_ENV, user)
+        dht = start_dht([], use_nat=use_nat)
+        try:
+            assert _daemon_environ(dht.daemon_socket).get(REUSEPORT_ENV) == expected, (use_nat, user)
+        finally:
+            dht.shutdown()
+        assert os.environ.get(REUSEPORT_ENV) == user  # this process's own environment is left alone

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import os
 import signal
 import tempfile
 import threading
@@ -120,6 +121,7 @@ def _clean_up_failed_start(dht: hivemind.DHT | None, before: set) -> None:
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"  # read by the p2p daemon (go-libp2p's TCP transport)
 DAEMON_STOP_S = 2.0  # how long a node's shutdown waits for its p2p daemon to stop listening
 
 
@@ -196,8 +198,21 @@ def _daemon_socket(dht: hivemind.DHT) -> Path | None:
 class _DHT(hivemind.DHT):
     daemon_socket: Path | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        # read in the child (``run``), before it starts its p2p daemon
+        self.reuse_port = bool(kwargs.get("use_relay"))
+        super().__init__(*args, **kwargs)
+
     def run(self) -> None:
         as_hivemind_child()
+        if not self.reuse_port:
+            # go-libp2p dials from its listening port (SO_REUSEPORT) unless told not to. Two peers that dial
+            # each other at once over a link with any latency (new peers do, as their DHTs fill) then get
+            # one TCP connection on which both are the initiator: its security handshake fails ("noise:
+            # message is too short") and each backs off from dialing the other for seconds. On 20-100 ms
+            # links four new peers' first all-reduce took 10-20 s instead of 2 (benchmarks/first_contact.py).
+            # Only NAT traversal (hole punching, with ``use_nat``) needs the listening port as the source.
+            os.environ.setdefault(REUSEPORT_ENV, "false")
         self._inner_pipe = DHTRequests(self._inner_pipe)
         super().run()
 
