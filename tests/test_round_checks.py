@@ -234,3 +234,26 @@ def test_a_split_round_keeps_the_reference_so_the_next_round_with_everyone_is_ap
     moved = refs()
     assert len(set(moved.values())) == 1 and moved != agreed
     assert all(swarm.ctx[p].payloads.held(spec) == 0 for p in peers)
+
+
+@pytest.mark.parametrize("failed", [("c", "d"), ("d",)])
+def test_members_whose_side_of_the_all_reduce_failed_say_so_and_nobody_waits_for_their_digests(failed):
+    """c and d (or d alone) fail their side of the dense all-reduce once the group formed (a sender they
+    waited for timed out), knowing the group, and send a digest that agrees with nothing. Two of four left:
+    no majority, everyone drops the round at once; one of four: the other three apply it at once. Before,
+    the others waited for the failed members' digests until their deadline (or the grace period)."""
+    peers = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+    timing = dataclasses.replace(TIMING, round_s=20.0)  # a grace period of 2 s, a deadline 20 s away
+    swarm = Swarm(peers, faults=[Fault("failed", peer=p, round=1) for p in failed], timing=timing)
+    results = swarm.round({p: swarm.plan(p) for p in peers})
+    for p in set(peers) - set(failed):
+        rec = results[p].record
+        dense = [r for r in rec.rejected if r.startswith("dense")]
+        if len(failed) == 2:
+            assert results[p].dense is None and len(dense) == 1, (p, rec.rejected)
+            assert "(2 failed on their side)" in dense[0], dense
+        else:  # the three whole results agree: a majority, applied without waiting out the grace period
+            assert results[p].dense is not None and dense == [], (p, rec.rejected)
+        assert rec.check_seconds["await"] < timing.quorum_grace_s / 3, (p, rec.check_seconds)
+    for p in failed:
+        assert any("dense: partial all-reduce" in r for r in results[p].record.rejected), results[p].record

@@ -144,6 +144,9 @@ def test_a_member_that_does_not_reduce_its_share_leaves_the_others_a_reported_fa
     finally:
         for g in groups:
             g.close()
+    ids = sorted(d.peer_id.to_base58() for d in dhts[:3])
     for out in outcomes:
         assert not out.ok
         assert "partial all-reduce" in out.reason
+        # the failed outcome still knows its group (failed_groups): its members can be told at once
+        assert sorted(out.members) == ids and all(info == {} for info in out.members.values()), out.members

@@ -39,6 +39,7 @@ from swarm.sync.robust_mean import AggregationRule
 SHUTDOWN_S = 5.0  # each averager's own grace period (``shutdown_timeout``) before hivemind terminates it
 BUFFER_LOCK_S = 2.0  # an all-reduce still holding the buffers after its timeout: give up the round
 FORMED_POLL_S = 0.05
+FAILED_ASK_S = 1.0  # asking our averager's process for the group of a step that failed on our side
 
 
 class HivemindGroup:
@@ -92,6 +93,7 @@ class HivemindGroup:
             )
         self.averager.serve_lock, self.averager.served = threading.Lock(), ({}, None)
         self._prints: dict[str, Any] = {}
+        self._began = 0.0  # when our latest step began (wall time)
 
     def _set_served(self, meta: dict[str, Any], tensors: list[torch.Tensor] | None) -> None:
         with self.averager.serve_lock:
@@ -132,7 +134,7 @@ class HivemindGroup:
         scheduled: float | None = None,
         expected: int | None = None,
     ) -> StepControl:
-        gather = self._gather(info)
+        gather, self._began = self._gather(info), time.time()
         if scheduled is None and matchmaking_s <= self.matchmaking_time:
             # hivemind schedules a step its matchmaking time ahead and requires that within the timeout; a
             # round late in its slot looks for less (``Timing.matchmaking_left``): it forms only if complete
@@ -155,7 +157,7 @@ class HivemindGroup:
     ) -> StepControl:
         # hivemind's own early matchmaking: the group forms now and its all-reduce waits for the trigger;
         # the buffers keep serving our last result until then
-        gather = self._gather(info)
+        gather, self._began = self._gather(info), time.time()
         self._expect(expected)
         return self.averager.step(
             gather=gather,
@@ -194,21 +196,12 @@ class HivemindGroup:
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
         gathered, formed_at, why = await_step(handle, timeout)
         if why:
-            return GroupOutcome(False, why)
+            return GroupOutcome(False, why, members=self._failed_members())
         if not gathered:
             return GroupOutcome(False, "no group formed")
-        members = {}
-        for peer, blob in gathered.items():
-            try:
-                ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
-                info = MSGPackSerializer.loads(blob) if ok else None
-            except Exception:
-                info = None
-            if not isinstance(info, dict):
-                return GroupOutcome(False, f"malformed round info from {peer}")
-            if self.swarm_key is not None and not self.swarm_key.admits(peer.to_base58(), info.get("member")):
-                return GroupOutcome(False, f"a member without the swarm key: {peer.to_base58()[-8:]}")
-            members[peer.to_base58()] = info
+        members, why = gathered_members({p.to_base58(): blob for p, blob in gathered.items()}, self.swarm_key)
+        if why:
+            return GroupOutcome(False, why)
         lock = self.averager.lock_averaged_tensors
         if not lock.acquire(timeout=BUFFER_LOCK_S):
             return GroupOutcome(False, "averaged tensors stayed locked")
@@ -218,11 +211,41 @@ class HivemindGroup:
             lock.release()
         return GroupOutcome(True, tensors=tensors, members=members, formed_at=formed_at)
 
+    def _failed_members(self) -> dict[str, dict[str, Any]]:
+        """The members' infos of our step's group if it formed and our side of its all-reduce failed (they
+        need not wait for our digest: ``round_checks`` tells them), else {}."""
+        try:
+            failed = self.averager.last_failed_group(timeout=FAILED_ASK_S)
+        except Exception:  # the averager's process is busy or gone: the members wait, as they used to
+            return {}
+        if failed is None or failed[0] < self._began:  # none, or an earlier step's
+            return {}
+        members, why = gathered_members(failed[1], self.swarm_key)
+        return {} if why else members
+
     def close(self) -> None:
         try:
             self.averager.shutdown()
         except Exception:
             pass
+
+
+def gathered_members(gathered: dict[str, bytes], swarm_key) -> tuple[dict[str, dict[str, Any]], str]:
+    """({peer id: its round info}, "") from the blobs a group's members gathered, or ({}, why not): a blob
+    that is not a msgpack map of at most ``MAX_INFO_BYTES``, or a member without ``swarm_key``'s token."""
+    members = {}
+    for peer, blob in gathered.items():
+        try:
+            ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
+            info = MSGPackSerializer.loads(blob) if ok else None
+        except Exception:
+            info = None
+        if not isinstance(info, dict):
+            return {}, f"malformed round info from {peer}"
+        if swarm_key is not None and not swarm_key.admits(peer, info.get("member")):
+            return {}, f"a member without the swarm key: {peer[-8:]}"
+        members[peer] = info
+    return members, ""
 
 
 def has_members(handle: StepControl) -> bool:

@@ -14,6 +14,8 @@ member gets (mean - its own) back encoded, except in the share it reduced itself
 - ``drop``: the peer leaves mid-all-reduce: it fails, and the others keep their own values in the share
   that the peer was reducing (the partial result hivemind reports as success);
 - ``partial``: only the peer's result keeps its own values in one share (its copy differs from the rest);
+- ``failed``: the peer's side of the all-reduce fails once its group formed (as a hivemind sender that timed
+  out), knowing the group's members, while the others' results are whole;
 - ``nan``: the peer sends NaN;
 - ``scale``: the peer sends its tensors times ``factor`` (a weight it did not claim);
 - ``delay``: the peer's outcome comes ``seconds`` late (past its timeout, it is abandoned);
@@ -47,7 +49,7 @@ from swarm.sync.robust_mean import AggregationRule
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # drop | partial | nan | scale | delay | silent | dead | slow | garble | unheld
+    kind: str  # drop | partial | failed | nan | scale | delay | silent | dead | slow | garble | unheld
     peer: str
     round: int | None = None  # the round index in the members' info; None: every round
     seconds: float = 0.0  # delay, slow
@@ -141,6 +143,11 @@ class LocalNetwork:
                     _keep_share(result, mean, k, len(members))
                 if m in dropped:
                     form.results[m] = GroupOutcome(False, "left during the all-reduce")
+                    continue
+                if self.fault("failed", m, infos[m]):
+                    form.results[m] = GroupOutcome(
+                        False, "partial all-reduce: a sender timed out", members=infos
+                    )
                     continue
                 for j, other in enumerate(members):  # shares reduced by a member that left stay ours
                     if other in dropped or (other == m and self.fault("partial", m, infos[m])):

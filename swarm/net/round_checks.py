@@ -1,6 +1,7 @@
 """Whether a group's outcome may be used: ``check_outcome`` (the members' round infos and the weights that came
 back; our digest published), then ``confirm_outcome`` (every member's digest agrees, the tensors pass
-``check_tensors``). ``run_round`` calls them for each group it started.
+``check_tensors``). ``run_round`` calls them for each group it started. A group that formed and failed on our
+side gets ``tell_failed``: its members learn it at once instead of waiting for our digest.
 
     spent = {}                                       # seconds per sub-step, summed (``RoundRecord.check_seconds``)
     size, why, published = check_outcome(spec, outcome, last, ctx, local, payload, deadline, spent)
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.net.group_layout import GroupSpec, reference_quorum
-from swarm.net.round_consensus import abs_sums, await_digests, digest, group_key
+from swarm.net.round_consensus import FAILED_DIGEST, abs_sums, await_digests, digest, group_key
 from swarm.net.round_info import (
     REFERENCES_DIFFER,
     WEIGHT_TOLERANCE,
@@ -28,6 +29,8 @@ from swarm.net.round_info import (
 from swarm.net.round_payload import SentPayload
 from swarm.net.transport import GroupOutcome
 from swarm.sync import RejectedTensor, check_tensors
+
+TELL_FAILED_S = 2.0  # at most, for telling a failed group's members (a message each, or a DHT store)
 
 if TYPE_CHECKING:
     from swarm.net.membership import MembershipView
@@ -99,6 +102,8 @@ def check_outcome(
     """(group size, why the outcome is refused or "", (digest key, our digest)). A sound outcome's digest
     is published (``spent``: seconds added to "digest", computing it, and "publish", storing it)."""
     if not outcome.ok:
+        if outcome.members:  # a group that formed and failed on our side: its members need not wait for us
+            tell_failed(spec, outcome, ctx, deadline)
         return 1, outcome.reason, None
     size = len(outcome.members)
     infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]
@@ -139,6 +144,15 @@ def check_outcome(
     if not published:
         return size, "could not publish digest", None
     return size, "", (key, mine)
+
+
+def tell_failed(spec: GroupSpec, outcome: GroupOutcome, ctx: RoundContext, deadline: float) -> bool:
+    """Send the group's members ``FAILED_DIGEST`` under the group's digest key: they drop the round, or a
+    majority applies it, at once, instead of waiting for our digest until their deadline (see
+    ``failed_groups``). Whether it was sent."""
+    key = group_key(ctx.run_id, spec.name, dict(outcome.members))
+    timeout = max(0.5, min(TELL_FAILED_S, deadline - time.monotonic()))
+    return ctx.digests.publish(key, FAILED_DIGEST, list(outcome.members), timeout)
 
 
 def confirm_outcome(

@@ -40,6 +40,9 @@ REL_TOLERANCE = 1e-4
 QUORUM_GRACE_S = 3.0  # how long a majority waits for the silent members' digests
 RETRY_S = 0.2  # between tries to store a digest
 FIRST_POLL_S = 0.02  # the first wait for the others' digests; it doubles up to ``poll``
+# what a member whose side of the all-reduce failed sends as its digest (``round_checks.tell_failed``): it
+# agrees with no result, so the others count it at once as a member whose result differs
+FAILED_DIGEST: list[float] = []
 
 
 def group_key(run_id: str, prefix: str, members: dict[str, dict[str, Any]]) -> str:
@@ -133,9 +136,11 @@ def digests_agree(
 
 def _differs(differ: list[str], seen: dict, missing: int, mine: list[float]) -> str:
     """Why a round is dropped for differing digests: who, and whether the digests were finite numbers."""
+    failed = [p for p in differ if seen[p] == FAILED_DIGEST]
     odd = sum(1 for p in differ if not (isinstance(seen[p], list) and all(finite_number(x) for x in seen[p])))
     own = "" if all(finite_number(x) for x in mine) else "; ours is not finite"
     return (f"partial round: result differs from {', '.join(p[-8:] for p in differ)}"
+            + (f" ({len(failed)} failed on their side)" if failed else "")
             + (f" ({odd} not finite)" if odd else "") + (f", {missing} silent" if missing else "") + own)  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.net.dht_node import as_hivemind_child
+from swarm.net.failed_groups import RemembersFailedGroups
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
@@ -71,7 +72,7 @@ def gathered_token(gather: bytes) -> object:
     return info.get("member") if isinstance(info, dict) else None
 
 
-class ServingAverager(hivemind.DecentralizedAverager):
+class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
     """See the module docstring. ``swarm_key``: None, or the key whose members alone it serves and groups
     with; ``rule``: how its reducer aggregates (None: the mean)."""
 
