@@ -37,7 +37,8 @@ codec under test and stops; then, per codec and shape:
   directory as ``link.jsonl``;
 - ``skipped_share``: sync points at which no round started, and ``skipped_reasons`` how many for each
   reason ("previous round still in flight", "too close to the last round" near the step limit, ...);
-- ``val_loss``: the peers' validation loss after the run (mean).
+- ``val_loss``: the peers' validation loss after the run (mean);
+- ``rtt_ms`` as asked, and ``delay_line_cpu_s``: the CPU seconds the delay line took over the run.
 
 Stopped by SIGINT or SIGTERM while its peers train, a run is still measured from the rounds they took so
 far (its row says ``"interrupted": true``, and has no ``val_loss``); the codecs and shapes after it are not run.
