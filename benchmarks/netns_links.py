@@ -6,6 +6,7 @@ bridge, each link shaped with ``tc`` in both directions. Needs root and iproute2
         lan.command(0, ["python", "-m", ...])   # argv that runs inside host 0's namespace
         lan.counters(0)                         # (bytes host 0 sent, bytes it received) at its link
     with ShapedLan(hosts=5, mbit=100, rtt_ms=50) as lan: ...   # and 50 ms between any two hosts
+    ShapedLan(hosts=5, mbit=100, sysctls={"net.ipv4.tcp_slow_start_after_idle": "0"})   # in every namespace
 
 Shaping is a token bucket (``tbf``) on each side of a host's link: egress inside the namespace limits what
 the host uploads, egress on the bridge side what it downloads, each at ``mbit``. Without ``rtt_ms`` a link
@@ -89,10 +90,12 @@ def prepare_benchmark() -> str | None:
 class ShapedLan:
     """See the module docstring. ``hosts``: at most 250."""
 
-    def __init__(self, hosts: int, mbit: float, rtt_ms: float | None = None) -> None:
+    def __init__(
+        self, hosts: int, mbit: float, rtt_ms: float | None = None, sysctls: dict[str, str] | None = None
+    ) -> None:
         if not 1 <= hosts <= 250 or mbit <= 0 or (rtt_ms is not None and not 0 <= rtt_ms <= 10_000):
             raise ValueError("hosts must be in [1, 250], mbit > 0 and rtt_ms in [0, 10000]")
-        self.hosts, self.mbit, self.rtt_ms = hosts, mbit, rtt_ms
+        self.hosts, self.mbit, self.rtt_ms, self.sysctls = hosts, mbit, rtt_ms, dict(sysctls or {})
         self._delay_line: subprocess.Popen | None = None
         tag = f"{PREFIX}{os.getpid()}"
         self.bridge = f"{tag}b"
@@ -147,6 +150,8 @@ class ShapedLan:
                 _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
                 _ip("netns", "exec", ns, "ip", "link", "set", "eth0", "up")
                 _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                for key, value in self.sysctls.items():  # each namespace has its own network stack's
+                    _ip("netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
                 _ip("link", "set", host_end, "master", self.bridge)
                 _ip("link", "set", host_end, "up")
                 self._shape("eth0", ns)  # what the host uploads

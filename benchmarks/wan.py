@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate in each direction (default 100)")
     ap.add_argument("--rtt-ms", type=float, default=None,
                     help="round-trip time between any two peers, added by a delay line (default: none)")  # fmt: skip
+    ap.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                    help="a network sysctl set in every peer's namespace (e.g. net.ipv4.tcp_slow_start_after_idle=0)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=8, help="sync intervals each peer trains (default 8)")
     ap.add_argument("--codecs", default=",".join(CODECS),
                     help=f"comma-separated from {', '.join(KNOWN_CODECS)}; a/b: sync.codec a, sync.dense_codec b "
@@ -105,9 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.codecs if not set(c.split("/", 1)) <= set(KNOWN_CODECS)] + [
         s for s in args.shapes if s not in SHAPES
     ]
+    bad += [kv for kv in args.sysctl if "=" not in kv or not kv.startswith("net.")]
     if bad or args.peers < 2 or args.rounds < 2 or not 0 <= (args.rtt_ms or 0) <= 10_000:
         ap.error(
-            f"unknown codecs or shapes {bad}"
+            f"unknown codecs, shapes or sysctls (net.*=value) {bad}"
             if bad
             else "needs --peers >= 2, --rounds >= 2, --rtt-ms in [0, 10000]"
         )
@@ -165,7 +168,9 @@ def run_swarm(args, shape: str, codec: str, run: Path) -> dict:
     save_config(cfg, effective)
     py, procs = sys.executable, Processes()
     with (
-        ShapedLan(args.peers + 1, args.mbit, args.rtt_ms) as lan,
+        ShapedLan(
+            args.peers + 1, args.mbit, args.rtt_ms, dict(kv.split("=", 1) for kv in args.sysctl)
+        ) as lan,
         LinkSampler(lan.counters, range(1, args.peers + 1)) as links,
     ):
         try:
@@ -325,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     "shape": shape,
                     "codec": codec,
                     "rtt_ms": args.rtt_ms,
+                    "sysctl": args.sysctl,
                     **run_swarm(args, shape, codec, base / f"{shape}_{codec.replace('/', '+')}"),
                 }
                 rows.append(row)

@@ -174,3 +174,18 @@ def test_a_delay_line_dies_with_the_process_that_made_it_and_its_devices_with_it
             owner.wait()
         remove_leftovers()
     assert _namespaces() == before_ns and _links() == before_links
+
+
+def test_sysctls_are_set_in_every_namespace_and_nowhere_else():
+    key = "net.ipv4.tcp_slow_start_after_idle"
+
+    def read(*prefix: str) -> str:
+        return subprocess.run(
+            [*prefix, "sysctl", "-n", key], capture_output=True, text=True, check=True
+        ).stdout
+
+    outside = read()
+    flipped = "0" if outside.strip() == "1" else "1"
+    with ShapedLan(hosts=2, mbit=20, sysctls={key: flipped}) as lan:
+        assert [read(*lan.command(i, [])).strip() for i in range(2)] == [flipped, flipped]
+        assert read() == outside
