@@ -35,31 +35,36 @@ def _namespaces() -> set[str]:
     return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
 
 
+def _send(lan: ShapedLan, size: int) -> tuple[float, int]:
+    """Host 1 sends ``size`` bytes to host 0 over TCP: (seconds it took, bytes host 1's link counted)."""
+    server = subprocess.Popen(lan.command(0, [sys.executable, "-c", RECEIVE, lan.address(0)]),
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        sent0, t0 = lan.counters(1)[0], time.monotonic()
+        subprocess.run(lan.command(1, [sys.executable, "-c", SEND, lan.address(0), str(size)]),
+                       capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        assert server.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        assert int(server.stdout.readline()) == size
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return took, lan.counters(1)[0] - sent0
+
+
 def test_a_shaped_link_carries_bytes_at_its_rate_and_everything_is_removed_after():
     size, mbit = 2_500_000, 20.0
     before = _namespaces()
     with ShapedLan(hosts=2, mbit=mbit) as lan:
         made = set(lan.namespaces)
         assert made <= _namespaces()
-        server = subprocess.Popen(lan.command(0, [sys.executable, "-c", RECEIVE, lan.address(0)]),
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert server.stdout.readline().strip() == "ready"
-            sent0 = lan.counters(1)[0]
-            t0 = time.monotonic()
-            out = subprocess.run(lan.command(1, [sys.executable, "-c", SEND, lan.address(0), str(size)]),
-                                 capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
-            assert server.wait(timeout=30) == 0
-            took = time.monotonic() - t0
-            assert int(server.stdout.readline()) == size
-        finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
+        took, counted = _send(lan, size)
         # the payload alone needs size * 8 / rate seconds at the link's rate; loopback would take milliseconds
-        assert took >= 0.9 * size * 8 / (mbit * 1e6), (took, out.stdout)
+        assert took >= 0.9 * size * 8 / (mbit * 1e6), took
         assert took < 3 * size * 8 / (mbit * 1e6) + 1.0
-        assert size <= lan.counters(1)[0] - sent0 < 1.1 * size  # headers on top, but not much
+        assert size <= counted < 1.1 * size  # headers on top, but not much
     assert not (made & _namespaces()) and _namespaces() == before
 
 
@@ -112,23 +117,10 @@ def test_delayed_links_add_the_round_trip_time_keep_the_rate_and_leave_nothing_b
         rtt = _median_rtt(lan)
         # the delay line wakes on a 1 ms clock: up to about a millisecond late per hop, four hops a trip
         assert rtt_ms / 1000 <= rtt < rtt_ms / 1000 + 0.015, rtt
-        server = subprocess.Popen(lan.command(0, [sys.executable, "-c", RECEIVE, lan.address(0)]),
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert server.stdout.readline().strip() == "ready"
-            sent0, t0 = lan.counters(1)[0], time.monotonic()
-            subprocess.run(lan.command(1, [sys.executable, "-c", SEND, lan.address(0), str(size)]),
-                           capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
-            assert server.wait(timeout=30) == 0
-            took = time.monotonic() - t0
-            assert int(server.stdout.readline()) == size
-        finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
+        took, counted = _send(lan, size)
         assert took >= 0.9 * size * 8 / (mbit * 1e6), took
         assert took < 3 * size * 8 / (mbit * 1e6) + 1.0 + 20 * rtt_ms / 1000  # TCP's start: a few trips
-        assert size <= lan.counters(1)[0] - sent0 < 1.05 * size  # 9000-byte frames: fewer headers
+        assert size <= counted < 1.05 * size  # 9000-byte frames: fewer headers
     assert line.poll() == 0  # stopped by the end of its stdin
     assert _namespaces() == before_ns and _links() == before_links
 
