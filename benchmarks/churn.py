@@ -1,13 +1,16 @@
-"""Issue 15's churn scenario, re-run with real processes on 127.0.0.1.
+"""Issue 15's churn scenario, re-run with real processes on 127.0.0.1 (or on shaped links with latency).
 
     python benchmarks/churn.py [--peers 4] [--kill-after 130] [--down 30] [--minutes 6] [--json]
                                [--config configs/demo.yaml] [--set key=value ...]
+    sudo python benchmarks/churn.py --rtt-ms 50 [--mbit 100]   # each process in a network namespace
 
 Two bootstrap peers (B joined through A); N peers given both addresses, sharing one stop time. After
 ``--kill-after`` seconds, peer 1 (the sole holder of its experts at the demo's r = 1) is killed with
 SIGKILL, process group and all; ``--down`` seconds later it is restarted with ``--resume`` from the same run
 directory; then bootstrap A is killed with SIGKILL and a further peer joins with ``--initial-peers A B``.
-Every process is stopped by PID at the end, and its exit code checked.
+Every process is stopped by PID at the end, and its exit code checked. With ``--rtt-ms``, every process
+(bootstraps, peers, the joiner) runs in a network namespace of its own on ``netns_links`` links of
+``--mbit`` with that round trip between any two (``wan.py``'s network; needs root).
 
 Printed (one JSON object with ``--json``): the restarted peer's catch-up line, the age of the checkpoint it
 resumed from at the moment of the kill (against ``train.checkpoint_every_s``), its step then and after,
@@ -74,18 +77,27 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     threads = max(1, (os.cpu_count() or 1) // (args.peers + 1))  # as swarm-demo: no core oversubscribed
     sets = ["--set", f"train.threads={threads}", *(a for kv in args.set for a in ("--set", kv))]
     sets += ["--set", f"run_id=churn-{os.getpid()}"]
+    lan = None
+    if args.rtt_ms is not None:  # hosts: bootstraps A and B, the peers, the joiner
+        from benchmarks.netns_links import ShapedLan
+
+        lan = ShapedLan(args.peers + 3, args.mbit, args.rtt_ms).__enter__()
+
+    def on(host: int, cmd: list[str]) -> list[str]:
+        return cmd if lan is None else lan.command(host, [*cmd, "--host", lan.address(host)])
+
     try:
-        a = wait_for_maddr(work / "boot_a.log", start("boot_a", [py, "-m", "bootstrap.main"]))
+        a = wait_for_maddr(work / "boot_a.log", start("boot_a", on(0, [py, "-m", "bootstrap.main"])))
         b = wait_for_maddr(
-            work / "boot_b.log", start("boot_b", [py, "-m", "bootstrap.main", "--initial-peers", a])
+            work / "boot_b.log", start("boot_b", on(1, [py, "-m", "bootstrap.main", "--initial-peers", a]))
         )
         t0 = time.time()
         stop_at = t0 + 60 * args.minutes
 
         def peer(i: int, *extra: str) -> subprocess.Popen:
-            return start(f"peer{i}", [py, "-m", "peers.main", "--config", args.config, "--initial-peers", a, b,
-                                      "--run-dir", str(work / f"peer{i}"), "--stop-at", str(stop_at),
-                                      "--no-progress", *sets, *extra])  # fmt: skip
+            return start(f"peer{i}", on(i + 2, [py, "-m", "peers.main", "--config", args.config,
+                                                "--initial-peers", a, b, "--run-dir", str(work / f"peer{i}"),
+                                                "--stop-at", str(stop_at), "--no-progress", *sets, *extra]))  # fmt: skip
 
         for i in range(args.peers):
             peer(i)
@@ -115,6 +127,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     finally:
         _stop(list(procs.values()))
         remove_stale_p2p_sockets(sockets_before)  # the SIGKILLed peer's and bootstrap's
+        if lan is not None:
+            lan.close()
     return _report(work, args, cfg, ckpt, ckpt_age, last_step, codes)
 
 
@@ -157,6 +171,7 @@ def _report(work: Path, args, cfg, ckpt, ckpt_age, last_step, codes) -> dict:
         "joiner_caught_up": (_lines(work / f"peer{args.peers}.log", "caught up with the swarm") or [""])[0],
         "exit_codes": codes,
         "final_dense_max_diff": spread,
+        "rtt_ms": args.rtt_ms,
         "torch": torch.__version__,
     }
 
@@ -169,9 +184,18 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=130.0, help="seconds after the peers start")
     ap.add_argument("--down", type=float, default=30.0, help="seconds before the killed peer restarts")
     ap.add_argument("--minutes", type=float, default=6.0, help="until the shared stop")
+    ap.add_argument("--rtt-ms", type=float, default=None, help="links with this round trip (needs root)")
+    ap.add_argument("--mbit", type=float, default=100.0, help="with --rtt-ms: each link's rate each way")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", default=None, help="keep the run directories here")
     args = ap.parse_args()
+    if args.rtt_ms is not None:
+        from benchmarks.netns_links import prepare_benchmark
+
+        why = prepare_benchmark()  # from here SIGTERM stops the run through its cleanup
+        if why:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="swarm-churn-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
