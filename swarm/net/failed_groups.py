@@ -47,15 +47,18 @@ class RemembersFailedGroups:
 
 
 def gathered_infos(peer_ids, gathered) -> dict[str, bytes]:
-    """{peer id: the info blob it gathered} from hivemind's group (each entry: msgpack of [bandwidth,
-    mode, msgpack of the blob]); an entry that is not so is left out (a member's bytes may be anything)."""
-    infos = {}
-    for peer, entry in zip(peer_ids, gathered, strict=False):
-        try:
-            _, _, wrapped = MSGPackSerializer.loads(entry)
-            blob = MSGPackSerializer.loads(wrapped)
-        except Exception:
-            continue
-        if isinstance(blob, bytes):
-            infos[peer.to_base58()] = blob
-    return infos
+    """{peer id: the info blob it gathered} from hivemind's group; an entry that is not as ``gathered_blob``
+    reads it is left out (a member's bytes may be anything)."""
+    blobs = {peer.to_base58(): gathered_blob(entry) for peer, entry in zip(peer_ids, gathered, strict=False)}
+    return {peer: blob for peer, blob in blobs.items() if blob is not None}
+
+
+def gathered_blob(entry: bytes) -> bytes | None:
+    """The blob a member gathered (our msgpack round info) from hivemind's entry for it, msgpack of
+    [bandwidth, mode, msgpack of the blob]; None if the entry is not so."""
+    try:
+        _, _, wrapped = MSGPackSerializer.loads(entry)
+        blob = MSGPackSerializer.loads(wrapped)
+    except Exception:  # a member's bytes may be anything
+        return None
+    return blob if isinstance(blob, bytes) else None

@@ -32,7 +32,7 @@ from hivemind.utils import MSGPackSerializer
 
 from swarm.net.dht_node import hivemind_child_signals
 from swarm.net.served_prints import kept_prints
-from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy
+from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy, round_info
 from swarm.net.transport import GroupOutcome, is_last_round
 from swarm.sync.robust_mean import AggregationRule
 
@@ -235,12 +235,8 @@ def gathered_members(gathered: dict[str, bytes], swarm_key) -> tuple[dict[str, d
     that is not a msgpack map of at most ``MAX_INFO_BYTES``, or a member without ``swarm_key``'s token."""
     members = {}
     for peer, blob in gathered.items():
-        try:
-            ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
-            info = MSGPackSerializer.loads(blob) if ok else None
-        except Exception:
-            info = None
-        if not isinstance(info, dict):
+        info = round_info(blob)
+        if info is None:
             return {}, f"malformed round info from {peer}"
         if swarm_key is not None and not swarm_key.admits(peer, info.get("member")):
             return {}, f"a member without the swarm key: {peer[-8:]}"

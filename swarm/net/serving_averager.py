@@ -32,7 +32,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.net.dht_node import as_hivemind_child
-from swarm.net.failed_groups import RemembersFailedGroups
+from swarm.net.failed_groups import RemembersFailedGroups, gathered_blob
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
@@ -62,14 +62,20 @@ def _running(dht: hivemind.DHT) -> bool:
 
 def gathered_token(gather: bytes) -> object:
     """The member token in a join request's gathered info (what ``HivemindGroup.start`` sends), or None."""
-    try:  # hivemind sends [bandwidth, mode, msgpack(gather)], and our gather is msgpack(info) itself
-        _, _, wrapped = MSGPackSerializer.loads(gather)
-        blob = MSGPackSerializer.loads(wrapped)
-        ok = isinstance(blob, bytes) and len(blob) <= MAX_INFO_BYTES
-        info = MSGPackSerializer.loads(blob) if ok else None
-    except Exception:  # a caller's bytes may be anything
+    info = round_info(gathered_blob(gather))  # hivemind wraps our gather, itself msgpack(info)
+    return info.get("member") if info is not None else None
+
+
+def round_info(blob: object) -> dict | None:
+    """A member's round info from the blob it gathered: a msgpack map of at most ``MAX_INFO_BYTES``, or
+    None."""
+    if not isinstance(blob, bytes) or len(blob) > MAX_INFO_BYTES:
         return None
-    return info.get("member") if isinstance(info, dict) else None
+    try:
+        info = MSGPackSerializer.loads(blob)
+    except Exception:  # a member's bytes may be anything
+        return None
+    return info if isinstance(info, dict) else None
 
 
 class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
