@@ -91,7 +91,10 @@ def blockwise_encode(t: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, 
     flat = t.detach().reshape(-1).float()
     n, pad = flat.numel(), -flat.numel() % BLOCK
     blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1).div_(float(levels))
+    amax = blocks.abs().amax(dim=1)
+    # divided by a tensor, not a Python number: CUDA multiplies by a scalar divisor's reciprocal (on an H100,
+    # other bits than the CPU's for x / 127.0), and the codes must not depend on where they are computed
+    scales = amax.div_(torch.full_like(amax, levels))
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.div(blocks, safe[:, None]).round_().clamp_(-levels, levels).to(torch.int8)
     return codes.view(-1)[:n], scales
