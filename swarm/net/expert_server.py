@@ -49,6 +49,7 @@ class ExpertServer:
         self.group, self.deltas = group, deltas if codec is not None and not codec.lossless else None
         self.codec = codec
         self._copies: dict[str, tuple[list[torch.Tensor], int, bool]] = {}
+        self._hashes: dict[str, str] = {}  # of the copies served, once computed (each is a change's base)
         self._changes: dict[str, tuple[list[torch.Tensor], str, str]] = {}  # change, base hash, new hash
         self._staged: dict[str, tuple[list[torch.Tensor], int]] = {}  # fp16 copy, its step
         self._lock = threading.Lock()  # the round thread updates, the training thread keeps
@@ -88,23 +89,41 @@ class ExpertServer:
             if self.deltas is None or before is None or final:
                 copies[i] = [t.detach().to("cpu", torch.float16, copy=True) for t in ts]
                 continue
-            base = before[0]
-            change = [t.detach().to("cpu", torch.float32) - b.float() for t, b in zip(ts, base, strict=True)]
-            new = [(b.float() + self.codec.roundtrip(c)).half() for b, c in zip(base, change, strict=True)]
-            copies[i], changes[i] = new, (change, copy_hash(base), copy_hash(new))
+            change, new = self._change(ts, before[0])
+            changes[i] = (change, self._hash(i, before[0]), copy_hash(new))
+            copies[i] = new
         with self._lock:
             self._copies.update({i: (ts, steps[i], final) for i, ts in copies.items()})
             for i in copies:
                 self._changes.pop(i, None)
                 self._staged.pop(i, None)
+                self._hashes.pop(i, None)
             self._changes.update(changes)
+            self._hashes.update({i: c[2] for i, c in changes.items()})
             self._publish()
+
+    def _change(
+        self, tensors: Sequence[torch.Tensor], base: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(fp32 change from the fp16 ``base`` to ``tensors``, fp16 ``base`` + the change's roundtrip)."""
+        change, new = [], []
+        for t, b in zip(tensors, base, strict=True):
+            c = torch.sub(t.detach().to("cpu", torch.float32), b)  # the fp16 base promoted in the kernel
+            change.append(c)
+            new.append(self.codec.roundtrip(c).add_(b).half())  # a fresh tensor: added to in place
+        return change, new
+
+    def _hash(self, item: str, copy: Sequence[torch.Tensor]) -> str:
+        with self._lock:
+            known = self._hashes.get(item)
+        return known if known is not None else copy_hash(copy)
 
     def keep(self, items: Sequence[str]) -> None:
         with self._lock:
             self._copies = {i: c for i, c in self._copies.items() if i in items}
             self._changes = {i: c for i, c in self._changes.items() if i in items}
             self._staged = {i: c for i, c in self._staged.items() if i in items}
+            self._hashes = {i: h for i, h in self._hashes.items() if i in items}
             self._publish()
 
     def _publish(self) -> None:
