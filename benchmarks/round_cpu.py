@@ -12,7 +12,7 @@ peer's own ``RoundContext`` on hivemind (two DHT nodes on 127.0.0.1: ours, and a
 do not hold):
 
 - ``serve``: ``ExpertServer.update`` of the peer's local experts (with a lossy codec: each change, its
-  roundtrip and two hashes);
+  roundtrip and the new copy's hash);
 - ``encode``: ``Payloads.encode`` of the dense payload against an agreed reference, and its error-feedback
   residual;
 - ``digest``: ``round_consensus.digest`` of that payload (the round's consensus check);
