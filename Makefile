@@ -23,7 +23,7 @@ demo: install
 # real-process swarms one at a time. Both parts always run; the exit status is the first failure's.
 test: install
 	@status=0; \
-	$(PYTHON) -m pytest -q --durations=8 -n 3 --dist loadscope -m "not swarm" || status=$$?; \
+	$(PYTHON) -m pytest -q --durations=8 -n 4 --dist loadscope -m "not swarm" || status=$$?; \
 	$(PYTHON) -m pytest -q --durations=8 -m swarm || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
 	exit $$status
 
