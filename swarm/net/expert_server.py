@@ -49,7 +49,6 @@ class ExpertServer:
         self.group, self.deltas = group, deltas if codec is not None and not codec.lossless else None
         self.codec = codec
         self._copies: dict[str, tuple[list[torch.Tensor], int, bool]] = {}
-        self._hashes: dict[str, str] = {}  # of the copies served, once computed (each is a change's base)
         self._changes: dict[str, tuple[list[torch.Tensor], str, str]] = {}  # change, base hash, new hash
         self._staged: dict[str, tuple[list[torch.Tensor], int]] = {}  # fp16 copy, its step
         self._lock = threading.Lock()  # the round thread updates, the training thread keeps
@@ -97,9 +96,7 @@ class ExpertServer:
             for i in copies:
                 self._changes.pop(i, None)
                 self._staged.pop(i, None)
-                self._hashes.pop(i, None)
             self._changes.update(changes)
-            self._hashes.update({i: c[2] for i, c in changes.items()})
             self._publish()
 
     def _change(
@@ -114,16 +111,16 @@ class ExpertServer:
         return change, new
 
     def _hash(self, item: str, copy: Sequence[torch.Tensor]) -> str:
+        """The hash of ``item``'s served ``copy``: the one its change named when a change made it."""
         with self._lock:
-            known = self._hashes.get(item)
-        return known if known is not None else copy_hash(copy)
+            made_by = self._changes.get(item)
+        return made_by[2] if made_by is not None else copy_hash(copy)
 
     def keep(self, items: Sequence[str]) -> None:
         with self._lock:
             self._copies = {i: c for i, c in self._copies.items() if i in items}
             self._changes = {i: c for i, c in self._changes.items() if i in items}
             self._staged = {i: c for i, c in self._staged.items() if i in items}
-            self._hashes = {i: h for i, h in self._hashes.items() if i in items}
             self._publish()
 
     def _publish(self) -> None:
