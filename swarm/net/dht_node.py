@@ -199,7 +199,8 @@ class _DHT(hivemind.DHT):
     daemon_socket: Path | None = None
 
     def __init__(self, *args, **kwargs) -> None:
-        # read in the child (``run``), before it starts its p2p daemon
+        # read in the child (``run``), before it starts its p2p daemon; ``start_dht`` passes ``use_nat`` as
+        # hivemind's ``use_relay`` (among others), the one of them this class sees
         self.reuse_port = bool(kwargs.get("use_relay"))
         super().__init__(*args, **kwargs)
 
