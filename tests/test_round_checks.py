@@ -195,6 +195,33 @@ def test_members_with_different_references_drop_the_round_and_take_the_common_on
     assert len(ids) == 1 and ids != {agreed[0]} and "" not in ids
 
 
+def test_an_expert_group_whose_references_came_apart_starts_a_common_one_and_averages_again():
+    """Three holders of the same experts; b's round 2 is partial, so a and c move the expert group's
+    reference on and b cannot. Expert groups have no served reference to take: round 3 finds the references
+    apart and every member forgets its own, round 4 averages weights into a new common reference, and round
+    5 sends changes against it. (Had a and c kept theirs, every later round of the group would be dropped.)"""
+    peers = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+    timing = dataclasses.replace(TIMING, matchmaking_s=2.0)
+    swarm = Swarm(
+        peers, faults=[Fault("partial", peer="b", round=2)], sync=SyncConfig(codec="int8"), timing=timing
+    )
+    spec = {p: [g for g, _ in swarm.plan(p).groups if g.items != ("dense",)][0] for p in peers}
+    for index in (1, 2, 3, 4, 5):
+        results = swarm.round({p: swarm.plan(p, index=index) for p in peers})
+        refs = {p: swarm.ctx[p].payloads.reference_id(spec[p]) for p in peers}
+        experts = {p: [r for r in results[p].record.rejected if r.startswith("expert")] for p in peers}
+        if index == 2:
+            assert "partial" in experts["b"][0] and experts["a"] == experts["c"] == [], experts
+        elif index == 3:
+            assert all("different references" in experts[p][0] for p in peers), experts
+            assert all(not results[p].experts for p in peers)
+            assert set(refs.values()) == {""}, refs  # every member forgot its reference
+        else:
+            assert all(e == [] for e in experts.values()), experts
+            assert all(sorted(results[p].experts) == [0, 1] for p in peers)
+            assert refs["a"] and refs["a"] == refs["b"] == refs["c"], refs
+
+
 def test_a_split_round_keeps_the_reference_so_the_next_round_with_everyone_is_applied():
     """Rounds on steps, peers out of phase: four int8 peers' group splits into two pairs. Had each pair moved
     its reference on to its own result, the next round with all four would be dropped (references differ);

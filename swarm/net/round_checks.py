@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.net.group_layout import GroupSpec, reference_quorum
+from swarm.net.group_layout import DENSE, GroupSpec, reference_quorum
 from swarm.net.round_consensus import FAILED_DIGEST, abs_sums, await_digests, digest, group_key
 from swarm.net.round_info import (
     REFERENCES_DIFFER,
@@ -120,9 +120,10 @@ def check_outcome(
         # would end holding a copy it never had (every member sees the same infos and drops it)
         return size, "a member was in another kind of round (last vs ordinary)", None
     if any(i.reference != payload.reference for i in infos):
-        # deltas against different states average to nothing meaningful: every member drops the round; the
-        # most common reference stays (round_payload)
-        if payload.reference != common_reference(infos):
+        # deltas against different states average to nothing meaningful: every member drops the round. In a
+        # dense group the most common reference stays (the others take it: dense_reference); an expert group
+        # serves none to take, so all its members forget theirs and start a common one (round_payload)
+        if payload.reference != common_reference(infos) or spec.items != (DENSE,):
             ctx.payloads.forget(spec.name)
         return size, REFERENCES_DIFFER, None
     tensors = outcome.tensors

@@ -12,10 +12,11 @@ every member used the same r. A round short of members that some member expected
 on (``round_info.reference_moves``): after a group split, or a round a joiner missed, members' references
 would otherwise differ at their next round together. Its change is then part of the next one's. Members name
 their reference in their round info: if they differ (a member missed a round, or joined since), the result
-is meaningless and every member drops it. The members whose reference is the most common one keep it; the
-others forget theirs. A dense group's member then takes that reference from a member that has it (every
-member serves its reference: ``run_round``), so the next round sends changes again; an expert group's next
-round sends weights (against a zero reference) to start a common one.
+is meaningless and every member drops it. In a dense group the members whose reference is the most common
+one keep it and the others forget theirs, then take that reference from a member that has it (every member
+serves its reference: ``run_round``), so the next round sends changes again. An expert group's members serve
+no reference, so all of them forget theirs, and its next round sends weights (against a zero reference) to
+start a common one: had the majority kept theirs, every later round of the group would be dropped.
 
 Error feedback: a member adds what the codec dropped from its last sent payload to the next one, so
 quantisation error is delayed, never lost. The residual is the exact difference between what was encoded and
