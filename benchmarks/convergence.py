@@ -33,8 +33,9 @@ of 250 steps took about 7 minutes a row in an earlier series.
 The in-process rows (central, every_step, every_step_spes) run on ``--device`` (``cuda`` for long
 horizons); the swarm rows run as the config says.
 
-Printed: final validation loss, its ratio to central, bytes per peer (the round records' count, both
-directions), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
+Printed: final validation loss, its ratio to central, bytes per peer (what each peer's p2pd carried, both
+directions, overhead and copies served to others included; with ``--transport local`` the rounds' payload
+by arithmetic), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
 (validation loss against tokens; the swarm rows' curves are peer 0's own ``val_loss``, the central one the
 evaluator's). ``--json`` prints one JSON object per row.
 """

@@ -255,13 +255,21 @@ def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers
     loss = heldout_loss(hf_model_from(cfg, final.model), cfg)
     records = [read_metrics(r / "metrics.jsonl") for r in runs]
     rounds = [[m for m in recs if "dense_group" in m] for recs in records]
-    moved = [sum(m.get("bytes_sent", 0) + m.get("bytes_recv", 0) for m in rs) for rs in rounds]
+    moved = [_bytes_moved(rs) for rs in rounds]
     tokens_per_step = cfg.data.micro_batch * cfg.data.seq_len * cfg.train.grad_accum
     curve = [(m["step"] * tokens_per_step * peers, m["val_loss"]) for m in records[0] if "val_loss" in m]
     applied = sum(1 for m in rounds[0] if "dense" in (m.get("applied_groups") or []))
     started = sum(1 for m in rounds[0] if not m.get("reason"))
     return RunResult(name, loss, final.step * tokens_per_step * peers, wall, sum(moved) / peers,
                      curve, applied, started)  # fmt: skip
+
+
+def _bytes_moved(rounds: list[dict]) -> float:
+    """What a peer's p2pd carried by its last round, both directions (rounds, the copies it served to
+    others, the DHT): the round records' ``wire_total``. Without a p2pd (threads), the rounds' payload by
+    arithmetic, which leaves out the copies served."""
+    wire = [m["wire_total"] for m in rounds if m.get("wire_total") is not None]
+    return wire[-1] if wire else sum(m.get("bytes_sent", 0) + m.get("bytes_recv", 0) for m in rounds)
 
 
 def _swarm_processes(cfg_path: Path, overrides: list[str], steps: int, runs: list[Path], work: Path) -> None:
