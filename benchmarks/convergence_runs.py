@@ -121,27 +121,32 @@ def initial_canonical(cfg) -> dict[str, torch.Tensor]:
 
 
 def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu") -> RunResult:
-    """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay), the
-    trainer's schedule (``lr_at``) and gradient clipping; its loss is HF's own (LM + router aux loss)."""
+    """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay, experts at
+    ``train.expert_lr_scale`` times the rate, as the trainer's), the trainer's schedule and gradient
+    clipping; its loss is HF's own (LM + router aux loss)."""
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
+    from swarm.train.optimizer import set_lr
     from swarm.train.schedule import lr_at
 
     t0, t = time.monotonic(), cfg.train
     torch.manual_seed(t.seed)
     model = hf_model_from(cfg, initial_canonical(cfg)).to(device)
     model.config.output_router_logits = True
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=t.betas, eps=t.eps)  # fmt: skip
+    named = list(model.named_parameters())
+    experts = [p for n, p in named if ".experts." in n]
+    decay = [p for n, p in named if p.dim() >= 2 and ".experts." not in n]
+    no_decay = [p for n, p in named if p.dim() < 2 and ".experts." not in n]
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0},
+              {"params": experts, "weight_decay": t.weight_decay, "lr_scale": t.expert_lr_scale}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
     batch = peers * cfg.data.micro_batch
     sampler = WindowSampler(open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1)
     curve, tokens = [(0, heldout_loss(model, cfg, device=device))], 0
     model.train()
     for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
+        set_lr(opt, lr_at(step, t))
         # seq_len + 1 tokens: HF shifts the labels inside, so it predicts seq_len
         ids = sampler.next_batch().to(device)
         out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -173,7 +178,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
     from swarm.sync.codecs import codec_named
-    from swarm.train.optimizer import build_optimizer
+    from swarm.train.optimizer import build_optimizer, set_lr
     from swarm.train.schedule import lr_at
 
     t0, t, ds, n_exp = time.monotonic(), cfg.train, open_dataset(cfg, progress=False), cfg.model.n_experts
@@ -199,8 +204,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     tokens, curve = 0, [(0, evaluate())]
     for step in range(steps):
         for m, opt, sampler in zip(models, opts, samplers, strict=True):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, t)
+            set_lr(opt, lr_at(step, t))
             batch = sampler.next_batch().to(device)
             m(batch[:, :-1], targets=batch[:, 1:]).loss.backward()
             if t.grad_clip:

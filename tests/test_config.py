@@ -64,6 +64,7 @@ def test_overrides_are_typed(repo_root):
         ({"train": {"betas": [0.9]}}, "train.betas"),
         ({"train": {"warmup_steps": 1.5}}, "train.warmup_steps"),
         ({"train": {"device": "tpu"}}, "train.device"),
+        ({"train": {"expert_lr_scale": 0}}, "train.expert_lr_scale"),
         ({"experts": {"local": [1, 1]}}, "experts.local"),
         ({"experts": {"local": [0], "per_peer": 2}}, "experts.local"),
         ({"data": {"seq_len": 4096}}, "data.seq_len"),

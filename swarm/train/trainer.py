@@ -41,6 +41,7 @@ from swarm.train.optimizer import (
     load_optimizer_tensors,
     optimizer_tensors,
     remap_expert_moments,
+    set_lr,
 )
 from swarm.train.schedule import lr_at
 from swarm.train.sync_hook import NoSync, StepReport, SyncHook
@@ -196,8 +197,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.train)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         accum = cfg.train.grad_accum
         lm = lb = z = 0.0
         expert_tokens = torch.zeros(cfg.model.n_experts, dtype=torch.long, device=self.device)
