@@ -126,21 +126,14 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
     clipping; its loss is HF's own (LM + router aux loss)."""
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
-    from swarm.train.optimizer import set_lr
+    from swarm.train.optimizer import adamw_groups, set_lr
     from swarm.train.schedule import lr_at
 
     t0, t = time.monotonic(), cfg.train
     torch.manual_seed(t.seed)
     model = hf_model_from(cfg, initial_canonical(cfg)).to(device)
     model.config.output_router_logits = True
-    named = list(model.named_parameters())
-    experts = [p for n, p in named if ".experts." in n]
-    decay = [p for n, p in named if p.dim() >= 2 and ".experts." not in n]
-    no_decay = [p for n, p in named if p.dim() < 2 and ".experts." not in n]
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0},
-              {"params": experts, "weight_decay": t.weight_decay, "lr_scale": t.expert_lr_scale}]  # fmt: skip
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+    opt = torch.optim.AdamW(adamw_groups(model.named_parameters(), t), lr=t.lr, betas=t.betas, eps=t.eps)
     batch = peers * cfg.data.micro_batch
     sampler = WindowSampler(open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1)
     curve, tokens = [(0, heldout_loss(model, cfg, device=device))], 0
