@@ -12,6 +12,7 @@ Used by ``ServingAverager``; nothing else about the all-reduce changes (timeouts
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -54,15 +55,42 @@ class RuledPartReducer(TensorPartReducer):
 
 
 class RuledAllReduceRunner(AllReduceRunner):
-    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``."""
+    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``, and which keeps, in ``failures``, why
+    each share failed (hivemind logs the exceptions only at debug level, and the debug log's own cost
+    changed the timing of the 2-core runs enough that none failed with it on)."""
 
     def __init__(self, *, rule: AggregationRule | None = None, **kwargs) -> None:
+        self.failures: list[str] = []
         super().__init__(**kwargs)
         # the base's reducer is never used: finished now, it does not report 0% received when collected
         self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = RuledPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), rule
         )
+
+    async def _communicate_with_peer(self, peer_id) -> None:
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception as e:  # the base has left our share at that reducer at our own values
+            self.failures.append(f"reducer {_short(peer_id)} failed: {_short_ids(repr(e), peer_id)}")
+            raise
+
+    async def _ban_sender(self, peer_id) -> None:
+        # the base calls this inside the handler of the error that made it give up on the sender (or of
+        # the sender-start timeout), so that error is the one being handled here
+        if peer_id not in self.banned_senders:
+            why = repr(sys.exc_info()[1])
+            self.failures.append(f"sender {_short(peer_id)} left out: {_short_ids(why, peer_id)}")
+        await super()._ban_sender(peer_id)
+
+
+def _short(peer_id) -> str:
+    return str(peer_id)[-8:]
+
+
+def _short_ids(text: str, peer_id) -> str:
+    # the round's reasons are cut at 200 characters: a 46-character peer id would push the cause out
+    return text.replace(str(peer_id), _short(peer_id))
 
 
 def partial_allreduce(runner: AllReduceRunner) -> str:
@@ -71,6 +99,9 @@ def partial_allreduce(runner: AllReduceRunner) -> str:
     other member holds those values. (A sender that failed at a reducer is left out of that reducer's share
     for every member alike: a result they still agree on, which the round's digests judge.)"""
     container = runner.tensor_part_container
-    if container.failed_size:
-        return f"{container.failed_size} of {container.total_size} values not averaged"
-    return ""
+    if not container.failed_size:
+        return ""
+    why = [f for f in getattr(runner, "failures", ()) if f.startswith("reducer")]
+    return f"{container.failed_size} of {container.total_size} values not averaged" + (
+        f" ({'; '.join(why)})" if why else ""
+    )
