@@ -12,6 +12,7 @@ Used by ``ServingAverager``; nothing else about the all-reduce changes (timeouts
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 
 from swarm.sync.robust_mean import AggregationRule
+
+log = logging.getLogger(__name__)
 
 
 class RuledPartReducer(TensorPartReducer):
@@ -55,8 +58,8 @@ class RuledPartReducer(TensorPartReducer):
 
 
 class RuledAllReduceRunner(AllReduceRunner):
-    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``, and which keeps, in ``failures``, why
-    each share failed (hivemind logs the exceptions only at debug level, and the debug log's own cost
+    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``, and which logs, and keeps in ``failures``,
+    why each share failed (hivemind logs the exceptions only at debug level, and the debug log's own cost
     changed the timing of the 2-core runs enough that none failed with it on)."""
 
     def __init__(self, *, rule: AggregationRule | None = None, **kwargs) -> None:
@@ -72,7 +75,7 @@ class RuledAllReduceRunner(AllReduceRunner):
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as e:  # the base has left our share at that reducer at our own values
-            self.failures.append(f"reducer {_short(peer_id)} failed: {_short_ids(repr(e), peer_id)}")
+            self._failed(f"reducer {_short(peer_id)} failed: {_short_ids(repr(e), peer_id)}")
             raise
 
     async def _ban_sender(self, peer_id) -> None:
@@ -80,8 +83,13 @@ class RuledAllReduceRunner(AllReduceRunner):
         # the sender-start timeout), so that error is the one being handled here
         if peer_id not in self.banned_senders:
             why = repr(sys.exc_info()[1])
-            self.failures.append(f"sender {_short(peer_id)} left out: {_short_ids(why, peer_id)}")
+            self._failed(f"sender {_short(peer_id)} left out: {_short_ids(why, peer_id)}")
         await super()._ban_sender(peer_id)
+
+    def _failed(self, why: str) -> None:
+        # logged at once: a sender is often left out after our own share is done (its reply stream cut)
+        self.failures.append(why)
+        log.warning(f"{self._prefix} all-reduce {self.group_id.hex()[:8]}: {why}")
 
 
 def _short(peer_id) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 
 # hivemind tells streaming handlers by typing's alias (``hint._name``): collections.abc's is not seen
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -48,7 +47,6 @@ LAST_ROUND_BITS = "1"  # group bits of a last round's matchmaking key (ordinary 
 # hivemind waits for a new averager with no timeout; one whose request to its DHT process (for the p2p
 # daemon) goes unanswered waits forever (seen in the suite: a DHT process gone, every later group hung)
 READY_S = 60.0
-log = logging.getLogger(__name__)
 
 
 class AveragerStartError(RuntimeError):
@@ -122,13 +120,9 @@ class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             raise ValueError("auxiliary averagers are not used")
-        try:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-        finally:
-            if runner.failures:
-                log.warning(f"{self.prefix} all-reduce: {'; '.join(runner.failures)}")
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
         missing = partial_allreduce(runner)
         if missing:  # hivemind would report success with some parts left at our own values
             raise AllreduceException(f"partial all-reduce: {missing}")
