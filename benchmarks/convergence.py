@@ -4,6 +4,8 @@
     python benchmarks/convergence.py --quick               # 60 steps; central, swarm, no_merge, diloco_tokens
     python benchmarks/convergence.py --corpus stdlib --rows central swarm nesterov --json
     python benchmarks/convergence.py --set model.d_model=256 --steps 400 --out runs/conv
+    python benchmarks/convergence.py --rows swarm diloco_tokens --row-set diloco_tokens:sync.sync_every_s=40 \
+        --repeat 6 --json                                  # equal bytes, six runs each, alternating
 
 Prepares the corpus with the project's own tools (``--corpus``: ../shared/data/docs-corpus.txt.xz by
 default, ``stdlib`` for the embedded one, or a glob of .txt/.jsonl/.parquet files), then trains every row
@@ -38,12 +40,21 @@ directions, overhead and copies served to others included; with ``--transport lo
 by arithmetic), wall time. ``--out`` gets ``convergence.json`` (every number and curve) and ``convergence.png``
 (validation loss against tokens; the swarm rows' curves are peer 0's own ``val_loss``, the central one the
 evaluator's). ``--json`` prints one JSON object per row.
+
+Swarm runs of one row differ by 0.5 to 1.5% (time-based rounds on busy cores), about as much as the rows
+differ: ``--repeat N`` runs the swarm rows N times, interleaved so that a slow spell of the machine hits
+every row alike (the in-process rows are deterministic and run once), and ends with one summary per row:
+mean, standard deviation, range, mean bytes, and against the swarm row its difference and Welch's t.
+``--row-set ROW:KEY=VALUE`` overrides one row's config only (a full-model DiLoCo whose rounds are as far
+apart as makes its bytes the swarm's, say).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import tempfile
 from dataclasses import asdict
@@ -59,6 +70,8 @@ ROWS = ("central", "swarm", "no_merge", "replication2", "nesterov", "sync_half",
         "diloco_tokens", "diloco_bytes")  # fmt: skip
 EXTRA_ROWS = ("every_step", "every_step_spes")
 QUICK_ROWS = ("central", "swarm", "no_merge", "diloco_tokens")
+IN_PROCESS_ROWS = ("central", *EXTRA_ROWS)
+SWARM_ROWS = tuple(r for r in ROWS if r not in IN_PROCESS_ROWS)
 DOCS_CORPUS = ROOT.parent / "shared" / "data" / "docs-corpus.txt.xz"
 
 
@@ -109,10 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", default=None, help="keep the runs' directories here (default: a temporary one)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the swarm rows this many times, interleaved")
+    ap.add_argument("--row-set", action="append", default=[], metavar="ROW:KEY=VALUE",
+                    help="a config override for one swarm row only")  # fmt: skip
     args = ap.parse_args(argv)
     steps = 60 if args.quick else args.steps
     if args.rows is None:
         args.rows = list(QUICK_ROWS if args.quick else ROWS)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    try:
+        row_sets = parse_row_sets(args.row_set)
+    except ValueError as e:
+        ap.error(str(e))
     with tempfile.TemporaryDirectory(prefix="swarm-convergence-") as tmp:
         work = Path(args.keep or tmp)
         data = prepare_corpus(args.corpus, work / "corpus", mb=args.corpus_mb)
@@ -121,26 +143,73 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(args.rows)
         if "diloco_bytes" in rows:  # needs both measured first
             rows = [r for r in ROWS + EXTRA_ROWS if r in rows or r in ("swarm", "diloco_tokens")]
-        results, diloco_scale = {}, 2.0
-        for name in rows:
-            if name == "central":
-                res = run_central(cfg, steps, args.peers, max(1, steps // 8), device=args.device)
-            elif name in EXTRA_ROWS:
-                res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
-                                     own_experts=name == "every_step_spes", device=args.device,
-                                     codec=args.average_codec, dense_codec=args.average_dense_codec)  # fmt: skip
-            else:
-                if name == "diloco_bytes":
-                    diloco_scale = _scale_for_equal_bytes(results)
-                extra = [*sets, *row_overrides(name, cfg, diloco_scale)]
-                res = run_swarm(
-                    name, Path(args.config), extra, steps, args.peers, work / name, args.transport
-                )
-            results[name] = res
-            _print_row(res, results.get("central"), args.json)
+        results, runs, diloco_scale = {}, {}, 2.0  # results: each row's latest run; runs: all of them
+        for rep in range(args.repeat):
+            for name in rows:
+                if name in IN_PROCESS_ROWS and rep > 0:
+                    continue  # deterministic: central gave 6.069210 again bit for bit, run after run
+                if name == "central":
+                    res = run_central(cfg, steps, args.peers, max(1, steps // 8), device=args.device)
+                elif name in EXTRA_ROWS:
+                    res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
+                                         own_experts=name == "every_step_spes", device=args.device,
+                                         codec=args.average_codec,
+                                         dense_codec=args.average_dense_codec)  # fmt: skip
+                else:
+                    if name == "diloco_bytes":
+                        diloco_scale = _scale_for_equal_bytes(results)
+                    extra = [*sets, *row_overrides(name, cfg, diloco_scale), *row_sets.get(name, [])]
+                    where = work / (name if rep == 0 else f"{name}-{rep + 1}")
+                    res = run_swarm(name, Path(args.config), extra, steps, args.peers, where, args.transport)
+                results[name] = res
+                runs.setdefault(name, []).append(res)
+                _print_row(res, results.get("central"), args.json, row_sets.get(name, []), rep)
+        summaries = summarize(runs) if args.repeat > 1 else []
+        for summary in summaries:
+            _print_summary(summary, args.json)
         if args.out:
-            _save(results, Path(args.out), args, steps)
+            _save(runs, summaries, Path(args.out), args, steps)
     return 0
+
+
+def parse_row_sets(items: list[str]) -> dict[str, list[str]]:
+    """``ROW:KEY=VALUE`` items as each swarm row's own overrides (applied after the row's own)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        row, _, setting = item.partition(":")
+        if row not in ROWS or row in IN_PROCESS_ROWS:
+            raise ValueError(f"--row-set {item!r}: {row!r} is not a swarm row ({', '.join(SWARM_ROWS)})")
+        if "=" not in setting:
+            raise ValueError(f"--row-set {item!r}: expected ROW:KEY=VALUE")
+        out.setdefault(row, []).append(setting)
+    return out
+
+
+def summarize(runs: dict[str, list], base: str = "swarm") -> list[dict]:
+    """Per row with two runs or more: mean, sample standard deviation, range and mean bytes of its runs,
+    and against ``base``'s runs (when there are two or more) the difference of the means (% of base's;
+    negative: lower loss than base) and Welch's t (positive: higher loss than base)."""
+    ref = [r.val_loss for r in runs.get(base, [])]
+    out = []
+    for name, rs in runs.items():
+        losses = [r.val_loss for r in rs]
+        if len(losses) < 2:
+            continue
+        s = {"summary": name, "runs": len(losses), "val_loss_mean": statistics.fmean(losses),
+             "val_loss_sd": statistics.stdev(losses), "val_loss_min": min(losses), "val_loss_max": max(losses),
+             "bytes_per_peer_mean": statistics.fmean(r.bytes_per_peer for r in rs)}  # fmt: skip
+        if name != base and len(ref) >= 2:
+            s[f"vs_{base}_pct"] = 100 * (s["val_loss_mean"] / statistics.fmean(ref) - 1)
+            s["welch_t"] = welch_t(losses, ref)
+        out.append(s)
+    return out
+
+
+def welch_t(a: list[float], b: list[float]) -> float:
+    """Welch's t of mean(a) - mean(b) (unequal variances); inf or nan when both samples are constant."""
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    return diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else math.nan)
 
 
 def _scale_for_equal_bytes(results: dict) -> float:
@@ -153,27 +222,43 @@ def _scale_for_equal_bytes(results: dict) -> float:
     return max(1.0, full.rounds_started / rounds)
 
 
-def _print_row(res, central, as_json: bool) -> None:
+def _print_row(res, central, as_json: bool, row_set: list[str], rep: int) -> None:
     ratio = res.val_loss / central.val_loss if central else None  # without the central row: null, not NaN
     if as_json:
         print(json.dumps({"row": res.name, "val_loss": res.val_loss, "ratio_to_central": ratio,
                           "bytes_per_peer": res.bytes_per_peer, "wall_s": res.wall_s, "tokens": res.tokens,
-                          "rounds_applied": res.rounds_applied}), flush=True)  # fmt: skip
+                          "rounds_applied": res.rounds_applied, "row_set": row_set,
+                          "repeat": rep}), flush=True)  # fmt: skip
         return
     of_central = f"x{ratio:.3f} of central" if ratio is not None else "(no central row)"
     print(f"{res.name:>14}: val loss {res.val_loss:.4f}  {of_central}  "
           f"{res.bytes_per_peer / 1e6:8.1f} MB/peer  {res.wall_s:6.0f} s  {res.tokens:,} tokens  "
-          f"{res.rounds_applied} dense rounds applied", flush=True)  # fmt: skip
+          f"{res.rounds_applied} dense rounds applied  {' '.join(row_set)}", flush=True)  # fmt: skip
 
 
-def _save(results: dict, out: Path, args, steps: int) -> None:
+def _print_summary(s: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(s), flush=True)
+        return
+    against = next((k for k in s if k.startswith("vs_")), None)
+    vs = f"  {s[against]:+.2f}% against {against[3:-4]} (Welch's t {s['welch_t']:+.2f})" if against else ""
+    print(f"{s['summary']:>14}: {s['runs']} runs, val loss {s['val_loss_mean']:.4f} +- {s['val_loss_sd']:.4f} "
+          f"({s['val_loss_min']:.4f} to {s['val_loss_max']:.4f})  {s['bytes_per_peer_mean'] / 1e6:.1f} MB/peer"
+          f"{vs}", flush=True)  # fmt: skip
+
+
+def _save(runs: dict, summaries: list[dict], out: Path, args, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    results = {k: v[0] for k, v in runs.items()}  # the first run of each row is the one plotted
     payload = {"args": vars(args), "steps": steps, "rows": {k: asdict(v) for k, v in results.items()}}
+    if args.repeat > 1:
+        payload["runs"] = {k: [asdict(r) for r in v] for k, v in runs.items()}
+        payload["summary"] = summaries
     (out / "convergence.json").write_text(json.dumps(payload, indent=1))
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, res in results.items():

@@ -167,6 +167,81 @@ def test_gpu_step_benchmark_skips_without_cuda(runs):
     assert len(proc.stdout.strip().splitlines()) == 1
 
 
+def test_convergence_summary_gives_each_rows_spread_and_its_distance_from_the_swarm():
+    from benchmarks.convergence import parse_row_sets, summarize, welch_t
+    from benchmarks.convergence_runs import RunResult
+
+    def runs(name, losses, mb):
+        return [RunResult(name, loss, 1000, 1.0, bytes_per_peer=mb * 1e6) for loss in losses]
+
+    got = summarize({"central": runs("central", [6.0], 0), "swarm": runs("swarm", [6.4, 6.5, 6.6], 40),
+                     "diloco_tokens": runs("diloco_tokens", [6.5, 6.7], 44)})  # fmt: skip
+    assert [s["summary"] for s in got] == ["swarm", "diloco_tokens"]  # a row run once has no spread
+    swarm, diloco = got
+    assert swarm["runs"] == 3 and math.isclose(swarm["val_loss_mean"], 6.5)
+    assert math.isclose(swarm["val_loss_sd"], 0.1) and (swarm["val_loss_min"], swarm["val_loss_max"]) == (
+        6.4,
+        6.6,
+    )
+    assert "welch_t" not in swarm and math.isclose(diloco["bytes_per_peer_mean"], 44e6)
+    assert math.isclose(diloco["vs_swarm_pct"], 100 * (6.6 / 6.5 - 1))
+    # Welch: (6.6 - 6.5) / sqrt(0.02 / 2 + 0.01 / 3)
+    assert math.isclose(diloco["welch_t"], 0.1 / math.sqrt(0.01 + 0.01 / 3))
+    assert welch_t([1.0, 1.0], [1.0, 1.0]) != welch_t([1.0, 1.0], [1.0, 1.0])  # nan: nothing to compare
+    assert welch_t([2.0, 2.0], [1.0, 1.0]) == math.inf
+    assert parse_row_sets(["diloco_tokens:sync.sync_every_s=40", "diloco_tokens:train.lr=1e-3"]) == {
+        "diloco_tokens": ["sync.sync_every_s=40", "train.lr=1e-3"]
+    }
+    for bad in ("central:train.lr=1", "every_step:train.lr=1", "swarm", "swarm:train.lr", "nope:a=1"):
+        with pytest.raises(ValueError, match="--row-set"):
+            parse_row_sets([bad])
+
+
+def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp_path):
+    """--repeat 2: central once, the swarm rows twice in turn (each in its own directory, a --row-set applied
+    to its row only), then one summary per repeated row whose mean is that of the printed runs."""
+    import yaml
+
+    from tests.conftest import TINY_CONFIG
+
+    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
+           "sync": {"sync_every": 4, "matchmaking_s": 0.3, "round_timeout_s": 5.0, "heartbeat_s": 0.3,
+                    "download_timeout_s": 2.0, "merge_warmup_steps": 8, "merge_every": 1}}  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
+         str(tiny_data), "--transport", "local", "--steps", "8", "--peers", "2", "--json", "--out", str(out),
+         "--keep", str(keep), "--rows", "central", "swarm", "diloco_tokens", "--repeat", "2",
+         "--row-set", "diloco_tokens:sync.sync_every=8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if "row" in r]
+    assert [(r["row"], r["repeat"]) for r in rows] == [
+        ("central", 0),
+        ("swarm", 0),
+        ("diloco_tokens", 0),
+        ("swarm", 1),
+        ("diloco_tokens", 1),
+    ]
+    assert [r["row_set"] for r in rows] == [[], [], ["sync.sync_every=8"], [], ["sync.sync_every=8"]]
+    assert all(
+        (keep / d / "peer0").is_dir() for d in ("swarm", "swarm-2", "diloco_tokens", "diloco_tokens-2")
+    )
+    summaries = {s["summary"]: s for s in lines if "summary" in s}
+    assert set(summaries) == {"swarm", "diloco_tokens"}
+    for name, s in summaries.items():
+        losses = [r["val_loss"] for r in rows if r["row"] == name]
+        assert s["runs"] == 2 and math.isclose(s["val_loss_mean"], sum(losses) / 2), (s, losses)
+    assert "vs_swarm_pct" in summaries["diloco_tokens"] and "vs_swarm_pct" not in summaries["swarm"]
+    saved = json.loads((out / "convergence.json").read_text())
+    assert {k: len(v) for k, v in saved["runs"].items()} == {"central": 1, "swarm": 2, "diloco_tokens": 2}
+    assert saved["summary"] == list(summaries.values())
+
+
 def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
     """benchmarks/convergence.py at a tiny shape, its swarms as threads on the in-memory transport: every
     row is trained, judged by the one evaluator, printed, plotted and saved."""
