@@ -212,9 +212,9 @@ def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp
     out, keep = tmp_path / "out", tmp_path / "keep"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
-         str(tiny_data), "--transport", "local", "--steps", "8", "--peers", "2", "--json", "--out", str(out),
+         str(tiny_data), "--transport", "local", "--steps", "4", "--peers", "2", "--json", "--out", str(out),
          "--keep", str(keep), "--rows", "central", "swarm", "diloco_tokens", "--repeat", "2",
-         "--row-set", "diloco_tokens:sync.sync_every=8"],
+         "--row-set", "diloco_tokens:sync.sync_every=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -227,7 +227,7 @@ def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp
         ("swarm", 1),
         ("diloco_tokens", 1),
     ]
-    assert [r["row_set"] for r in rows] == [[], [], ["sync.sync_every=8"], [], ["sync.sync_every=8"]]
+    assert [r["row_set"] for r in rows] == [[], [], ["sync.sync_every=2"], [], ["sync.sync_every=2"]]
     assert all(
         (keep / d / "peer0").is_dir() for d in ("swarm", "swarm-2", "diloco_tokens", "diloco_tokens-2")
     )
