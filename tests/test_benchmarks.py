@@ -197,11 +197,12 @@ def test_convergence_summary_gives_each_rows_spread_and_its_distance_from_the_sw
             parse_row_sets([bad])
 
 
-def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp_path):
+def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp_path, capsys):
     """--repeat 2: central once, the swarm rows twice in turn (each in its own directory, a --row-set applied
     to its row only), then one summary per repeated row whose mean is that of the printed runs."""
     import yaml
 
+    from benchmarks.convergence import main
     from tests.conftest import TINY_CONFIG
 
     cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
@@ -210,15 +211,12 @@ def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out, keep = tmp_path / "out", tmp_path / "keep"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
-         str(tiny_data), "--transport", "local", "--steps", "4", "--peers", "2", "--json", "--out", str(out),
-         "--keep", str(keep), "--rows", "central", "swarm", "diloco_tokens", "--repeat", "2",
-         "--row-set", "diloco_tokens:sync.sync_every=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # in process (the subprocess of the every-row test above already covers the script's own start)
+    code = main(["--config", str(path), "--corpus", str(tiny_data), "--transport", "local", "--steps", "4",
+                 "--peers", "2", "--json", "--out", str(out), "--keep", str(keep), "--rows", "central", "swarm",
+                 "diloco_tokens", "--repeat", "2", "--row-set", "diloco_tokens:sync.sync_every=2"])  # fmt: skip
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     rows = [r for r in lines if "row" in r]
     assert [(r["row"], r["repeat"]) for r in rows] == [
         ("central", 0),
