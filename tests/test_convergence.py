@@ -1,0 +1,154 @@
+"""benchmarks/convergence.py and convergence_runs.py: every row of a tiny run trained, judged, printed and
+saved; repeats interleaved and summarized; the in-process rows' replica averaging exact."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_convergence_summary_gives_each_rows_spread_and_its_distance_from_the_swarm():
+    from benchmarks.convergence import parse_row_sets, summarize, welch_t
+    from benchmarks.convergence_runs import RunResult
+
+    def runs(name, losses, mb):
+        return [RunResult(name, loss, 1000, 1.0, bytes_per_peer=mb * 1e6) for loss in losses]
+
+    got = summarize({"central": runs("central", [6.0], 0), "swarm": runs("swarm", [6.4, 6.5, 6.6], 40),
+                     "diloco_tokens": runs("diloco_tokens", [6.5, 6.7], 44)})  # fmt: skip
+    assert [s["summary"] for s in got] == ["swarm", "diloco_tokens"]  # a row run once has no spread
+    swarm, diloco = got
+    assert swarm["runs"] == 3 and math.isclose(swarm["val_loss_mean"], 6.5)
+    assert math.isclose(swarm["val_loss_sd"], 0.1) and (swarm["val_loss_min"], swarm["val_loss_max"]) == (
+        6.4,
+        6.6,
+    )
+    assert "welch_t" not in swarm and math.isclose(diloco["bytes_per_peer_mean"], 44e6)
+    assert math.isclose(diloco["vs_swarm_pct"], 100 * (6.6 / 6.5 - 1))
+    # Welch: (6.6 - 6.5) / sqrt(0.02 / 2 + 0.01 / 3)
+    assert math.isclose(diloco["welch_t"], 0.1 / math.sqrt(0.01 + 0.01 / 3))
+    assert welch_t([1.0, 1.0], [1.0, 1.0]) != welch_t([1.0, 1.0], [1.0, 1.0])  # nan: nothing to compare
+    assert welch_t([2.0, 2.0], [1.0, 1.0]) == math.inf
+    assert parse_row_sets(["diloco_tokens:sync.sync_every_s=40", "diloco_tokens:train.lr=1e-3"]) == {
+        "diloco_tokens": ["sync.sync_every_s=40", "train.lr=1e-3"]
+    }
+    for bad in ("central:train.lr=1", "every_step:train.lr=1", "swarm", "swarm:train.lr", "nope:a=1"):
+        with pytest.raises(ValueError, match="--row-set"):
+            parse_row_sets([bad])
+
+
+def test_convergence_benchmark_repeats_its_swarm_rows_interleaved(tiny_data, tmp_path, capsys):
+    """--repeat 2: central once, the swarm rows twice in turn (each in its own directory, a --row-set applied
+    to its row only), then one summary per repeated row whose mean is that of the printed runs."""
+    import yaml
+
+    from benchmarks.convergence import main
+    from tests.conftest import TINY_CONFIG
+
+    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
+           "sync": {"sync_every": 4, "matchmaking_s": 0.3, "round_timeout_s": 5.0, "heartbeat_s": 0.3,
+                    "download_timeout_s": 2.0, "merge_warmup_steps": 8, "merge_every": 1}}  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    # in process (the subprocess of the every-row test above already covers the script's own start)
+    code = main(["--config", str(path), "--corpus", str(tiny_data), "--transport", "local", "--steps", "4",
+                 "--peers", "2", "--json", "--out", str(out), "--keep", str(keep), "--rows", "central", "swarm",
+                 "diloco_tokens", "--repeat", "2", "--row-set", "diloco_tokens:sync.sync_every=2"])  # fmt: skip
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if "row" in r]
+    assert [(r["row"], r["repeat"]) for r in rows] == [
+        ("central", 0),
+        ("swarm", 0),
+        ("diloco_tokens", 0),
+        ("swarm", 1),
+        ("diloco_tokens", 1),
+    ]
+    assert [r["row_set"] for r in rows] == [[], [], ["sync.sync_every=2"], [], ["sync.sync_every=2"]]
+    assert all(
+        (keep / d / "peer0").is_dir() for d in ("swarm", "swarm-2", "diloco_tokens", "diloco_tokens-2")
+    )
+    summaries = {s["summary"]: s for s in lines if "summary" in s}
+    assert set(summaries) == {"swarm", "diloco_tokens"}
+    for name, s in summaries.items():
+        losses = [r["val_loss"] for r in rows if r["row"] == name]
+        assert s["runs"] == 2 and math.isclose(s["val_loss_mean"], sum(losses) / 2), (s, losses)
+    assert "vs_swarm_pct" in summaries["diloco_tokens"] and "vs_swarm_pct" not in summaries["swarm"]
+    saved = json.loads((out / "convergence.json").read_text())
+    assert {k: len(v) for k, v in saved["runs"].items()} == {"central": 1, "swarm": 2, "diloco_tokens": 2}
+    assert saved["summary"] == list(summaries.values())
+
+
+def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
+    """benchmarks/convergence.py at a tiny shape, its swarms as threads on the in-memory transport: every
+    row is trained, judged by the one evaluator, printed, plotted and saved."""
+    import yaml
+
+    from benchmarks.convergence import EXTRA_ROWS, ROWS
+    from tests.conftest import TINY_CONFIG
+
+    cfg = {**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)},
+           "sync": {"sync_every": 4, "matchmaking_s": 0.3, "round_timeout_s": 5.0, "heartbeat_s": 0.3,
+                    "download_timeout_s": 2.0, "merge_warmup_steps": 8, "merge_every": 1}}  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
+         str(tiny_data), "--transport", "local", "--steps", "12", "--peers", "2", "--json", "--out", str(out),
+         "--rows", *ROWS, *EXTRA_ROWS],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["row"] for r in rows] == [*ROWS, *EXTRA_ROWS]
+    central = rows[0]
+    assert central["ratio_to_central"] == 1.0 and central["bytes_per_peer"] == 0
+    for r in rows:
+        assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r  # below ln(512) = 6.24 + margin
+        assert r["tokens"] == 12 * 2 * cfg["data"]["micro_batch"] * cfg["data"]["seq_len"], r
+    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", *EXTRA_ROWS)}
+    assert all(r["bytes_per_peer"] > 0 and r["rounds_applied"] >= 1 for r in swarms.values()), swarms
+    saved = json.loads((out / "convergence.json").read_text())
+    assert set(saved["rows"]) == {*ROWS, *EXTRA_ROWS} and all(
+        saved["rows"][k]["curve"] for k in saved["rows"]
+    )
+    assert (out / "convergence.png").stat().st_size > 10_000
+
+
+def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers():
+    """convergence_runs' in-process averaging (the every_step rows): dense weights are the mean of every
+    replica, an expert the mean of the replicas that train it, an expert nobody trains stays; all agree."""
+    import torch
+
+    from benchmarks.convergence_runs import average_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1], [1, 2], [3]]  # expert 1 has two trainers; 4-7 have none
+    models = []
+    for i, own in enumerate(owned):
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=i)  # every replica different
+        models.append(m)
+    before = [m.canonical_state_dict() for m in models]
+    average_replicas(models, owned, mcfg.n_experts)
+    after = [m.canonical_state_dict() for m in models]
+    for name, value in after[0].items():
+        assert all(torch.equal(value, a[name]) for a in after[1:]), name  # every replica alike
+        if ".experts." not in name:
+            assert torch.allclose(value, sum(b[name] for b in before) / 3, atol=1e-7), name
+            continue
+        assert torch.equal(value[0], before[0][name][0]) and torch.equal(value[3], before[2][name][3])
+        assert torch.allclose(value[1], (before[0][name][1] + before[1][name][1]) / 2, atol=1e-7)
+        assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
