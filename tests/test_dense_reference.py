@@ -30,3 +30,19 @@ def test_a_member_whose_round_was_partial_takes_the_agreed_reference_before_the_
             assert all(d == [] for d in dense.values()), dense
         assert refs["a"] and refs["a"] == refs["b"] == refs["c"], refs
     assert not any(REFERENCES_DIFFER in r for p in peers for r in results[p].record.rejected)
+
+
+def test_catching_up_stops_waiting_once_the_answers_so_far_decide():
+    """Three partners: two that serve our own reference decide it (the third cannot make another one a
+    majority), as do two that serve the same other one; one of each leaves it open."""
+    from swarm.net.dense_reference import reference_settled
+
+    assert reference_settled({"p": "old", "q": "old"}, 3, "old")  # the third could only bring 1 of 3
+    assert reference_settled({"p": "new", "q": "new"}, 3, "old")  # 2 of 3 have another: take it
+    assert not reference_settled({"p": "old", "q": "new"}, 3, "old")  # the third may make "new" 2 of 3
+    assert not reference_settled({"p": "old"}, 3, "old")  # two unanswered could both serve "new"
+    assert not reference_settled({"p": "new", "q": "x"}, 4, "old")  # 2 of 4 is no majority, yet
+    assert reference_settled({"p": "new", "q": "x", "r": "old"}, 4, "old")  # at most 2 of 4 now
+    assert reference_settled({"p": "a", "q": "b", "r": "c"}, 3, "old")  # everyone answered
+    assert reference_settled({}, 0, "old")  # nobody to ask
+    assert not reference_settled({}, 1, "old")

@@ -52,20 +52,33 @@ def catch_up_reference(
     four peers their last round's dense part). Returns the member it came from, or ""."""
     partners = sorted(view.partners(ctx.me))
     end = min(deadline, time.monotonic() + ctx.timing.download_s)
+    ours = ctx.payloads.reference_id(spec)
     refs: dict[str, str] = {}
-    while len(refs) < len(partners) and time.monotonic() < end:
+    while not reference_settled(refs, len(partners), ours) and time.monotonic() < end:
         for peer in (p for p in partners if p not in refs):
             left = max(0.1, min(ctx.timing.request_s, end - time.monotonic()))
             served = ctx.downloads.transport.fetch(peer, spec.name, left, accept=metadata_only)
             ref = served.meta.get("ref") if served is not None else None
             if isinstance(ref, str):  # a copy is served: its round is over (during one, only prints)
                 refs[peer] = ref
-        if len(refs) < len(partners):
+        if not reference_settled(refs, len(partners), ours):
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
     common, count = Counter(refs.values()).most_common(1)[0] if refs else ("", 0)
-    if not common or common == ctx.payloads.reference_id(spec) or 2 * count <= len(partners):
+    if not common or common == ours or 2 * count <= len(partners):
         return ""
     return _adopt_from(spec, ctx, common, [p for p, r in refs.items() if r == common], like, end)
+
+
+def reference_settled(refs: dict[str, str], partners: int, ours: str) -> bool:
+    """Whether the partners' answers so far (``refs``: partner -> the reference it serves) decide
+    ``catch_up_reference``: every partner answered, or one reference other than ``ours`` has a strict
+    majority, or none can reach one however the rest answer. Waiting for the rest then changes nothing
+    (on 2 cores a member of a failed group waited its whole 30 s for a partner that was in a round of its
+    own, while the other two served the reference it had)."""
+    others = Counter(r for r in refs.values() if r != ours)
+    best = max(others.values(), default=0)
+    unanswered = partners - len(refs)
+    return unanswered <= 0 or 2 * best > partners or 2 * (best + unanswered) <= partners
 
 
 def _adopt_from(
