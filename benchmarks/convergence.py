@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(args.rows)
         if "diloco_bytes" in rows:  # needs both measured first
             rows = [r for r in ROWS + EXTRA_ROWS if r in rows or r in ("swarm", "diloco_tokens")]
-        results, runs, diloco_scale = {}, {}, 2.0  # results: each row's latest run; runs: all of them
+        runs, diloco_scale = {}, 2.0  # every run of each row, in order
         for rep in range(args.repeat):
             for name in rows:
                 if name in IN_PROCESS_ROWS and rep > 0:
@@ -157,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                                          dense_codec=args.average_dense_codec)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
-                        diloco_scale = _scale_for_equal_bytes(results)
+                        diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})
                     extra = [*sets, *row_overrides(name, cfg, diloco_scale), *row_sets.get(name, [])]
                     where = work / (name if rep == 0 else f"{name}-{rep + 1}")
                     res = run_swarm(name, Path(args.config), extra, steps, args.peers, where, args.transport)
-                results[name] = res
                 runs.setdefault(name, []).append(res)
-                _print_row(res, results.get("central"), args.json, row_sets.get(name, []), rep)
+                central = runs.get("central", [None])[0]
+                _print_row(res, central, args.json, row_sets.get(name, []), rep)
         summaries = summarize(runs) if args.repeat > 1 else []
         for summary in summaries:
             _print_summary(summary, args.json)
@@ -177,7 +177,7 @@ def parse_row_sets(items: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for item in items:
         row, _, setting = item.partition(":")
-        if row not in ROWS or row in IN_PROCESS_ROWS:
+        if row not in SWARM_ROWS:
             raise ValueError(f"--row-set {item!r}: {row!r} is not a swarm row ({', '.join(SWARM_ROWS)})")
         if "=" not in setting:
             raise ValueError(f"--row-set {item!r}: expected ROW:KEY=VALUE")

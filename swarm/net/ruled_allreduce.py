@@ -58,12 +58,13 @@ class RuledPartReducer(TensorPartReducer):
 
 
 class RuledAllReduceRunner(AllReduceRunner):
-    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``, and which logs, and keeps in ``failures``,
-    why each share failed (hivemind logs the exceptions only at debug level, and the debug log's own cost
-    changed the timing of the 2-core runs enough that none failed with it on)."""
+    """``AllReduceRunner`` whose reducer is a ``RuledPartReducer``, and which logs why each share failed,
+    keeping the failed reducers' reasons in ``reducer_failures`` (hivemind logs the exceptions only at debug
+    level, and the debug log's own cost changed the timing of the 2-core runs enough that none failed with
+    it on)."""
 
     def __init__(self, *, rule: AggregationRule | None = None, **kwargs) -> None:
-        self.failures: list[str] = []
+        self.reducer_failures: list[str] = []  # each leaves part of our tensors at our own values
         super().__init__(**kwargs)
         # the base's reducer is never used: finished now, it does not report 0% received when collected
         self.tensor_part_reducer.finished.set()
@@ -75,7 +76,9 @@ class RuledAllReduceRunner(AllReduceRunner):
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as e:  # the base has left our share at that reducer at our own values
-            self._failed(f"reducer {_short(peer_id)} failed: {_short_ids(repr(e), peer_id)}")
+            why = f"reducer {_short(peer_id)} failed: {_short_ids(repr(e), peer_id)}"
+            self.reducer_failures.append(why)
+            self._log(why)
             raise
 
     async def _ban_sender(self, peer_id) -> None:
@@ -83,12 +86,11 @@ class RuledAllReduceRunner(AllReduceRunner):
         # the sender-start timeout), so that error is the one being handled here
         if peer_id not in self.banned_senders:
             why = repr(sys.exc_info()[1])
-            self._failed(f"sender {_short(peer_id)} left out: {_short_ids(why, peer_id)}")
+            self._log(f"sender {_short(peer_id)} left out: {_short_ids(why, peer_id)}")
         await super()._ban_sender(peer_id)
 
-    def _failed(self, why: str) -> None:
+    def _log(self, why: str) -> None:
         # logged at once: a sender is often left out after our own share is done (its reply stream cut)
-        self.failures.append(why)
         log.warning(f"{self._prefix} all-reduce {self.group_id.hex()[:8]}: {why}")
 
 
@@ -101,7 +103,7 @@ def _short_ids(text: str, peer_id) -> str:
     return text.replace(str(peer_id), _short(peer_id))
 
 
-def partial_allreduce(runner: AllReduceRunner) -> str:
+def partial_allreduce(runner: RuledAllReduceRunner) -> str:
     """Why the all-reduce that ``runner`` ran left this member's tensors partly at its own values ('' if it
     did not): a member that was to reduce a share of them failed. hivemind reports that as success, and no
     other member holds those values. (A sender that failed at a reducer is left out of that reducer's share
@@ -109,7 +111,7 @@ def partial_allreduce(runner: AllReduceRunner) -> str:
     container = runner.tensor_part_container
     if not container.failed_size:
         return ""
-    why = [f for f in getattr(runner, "failures", ()) if f.startswith("reducer")]
+    why = runner.reducer_failures
     return f"{container.failed_size} of {container.total_size} values not averaged" + (
         f" ({'; '.join(why)})" if why else ""
     )
