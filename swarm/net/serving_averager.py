@@ -7,8 +7,9 @@ hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``Hivemind
 downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
 group size it waits for is set step by step (``expect_members``); and with a swarm key every caller shows
 its member token: in its gathered info to join a group, in its request to download. With an allowlist,
-only listed peers are followed as leaders. Its part of each all-reduce is reduced by ``rule`` with every
-sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is closed. A caller that saw
+only listed peers are followed as leaders. A follower that a leader has accepted waits up to a request
+timeout past its deadline for the leader to begin (``follower_grace``). Its part of each all-reduce is
+reduced by ``rule`` with every sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is closed. A caller that saw
 metadata not worth a copy may ask for the copy to be sent once that changes (``rpc_fetch_copy``, held up
 to ``HOLD_MAX_S``), so a downloader gets a holder's new copy the moment it is served, not at its next
 poll. Nothing here unpickles what a caller sent. It never lists itself under hivemind's
@@ -33,6 +34,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.net.dht_node import as_hivemind_child
 from swarm.net.failed_groups import RemembersFailedGroups, gathered_blob
+from swarm.net.follower_grace import keep_accepted_followers
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
@@ -275,6 +277,7 @@ class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
         self._matchmaking.target_group_size = n
         self._matchmaking.potential_leaders.target_group_size = n
         self._follow_listed_leaders_only()
+        keep_accepted_followers(self._matchmaking, grace_s=self._matchmaking.request_timeout)
 
     def _follow_listed_leaders_only(self) -> None:
         """With an allowlist, the leaders we would ask to join are the listed peers only: an unlisted holder
