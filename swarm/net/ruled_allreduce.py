@@ -7,7 +7,8 @@ are checked by every member, ``round``), and with a rule (``swarm.sync.robust_me
 sender's part and returns the rule's aggregate instead of the mean. A part is hivemind's unit of streaming
 (at most 512 KiB on the wire), so the rule bounds each rogue contribution part by part.
 
-Used by ``ServingAverager``; nothing else about the all-reduce changes (timeouts, bans, compression).
+Used by ``ServingAverager``; nothing else about the all-reduce changes (timeouts, bans, compression), except
+that a member closes each reducer's reply stream once all its parts have come (``stream_linger``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 
+from swarm.net.stream_linger import ClosingStub
 from swarm.sync.robust_mean import AggregationRule
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,12 @@ class RuledAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RuledPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), rule
         )
+
+    def _get_peer_stub(self, peer):
+        # we close each reducer's reply stream once every part has come, so that its handler, which holds
+        # its end open until then (``stream_linger``), never closes first under a part in flight
+        parts = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+        return ClosingStub(super()._get_peer_stub(peer), parts)
 
     async def _communicate_with_peer(self, peer_id) -> None:
         try:

@@ -8,11 +8,12 @@ downloaders get, its metadata answered alone from the averager's process (``rpc_
 group size it waits for is set step by step (``expect_members``); and with a swarm key every caller shows
 its member token: in its gathered info to join a group, in its request to download. With an allowlist,
 only listed peers are followed as leaders. A follower that a leader has accepted waits up to a request
-timeout past its deadline for the leader to begin (``follower_grace``). Its part of each all-reduce is
-reduced by ``rule`` with every sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is closed. A caller that saw
-metadata not worth a copy may ask for the copy to be sent once that changes (``rpc_fetch_copy``, held up
-to ``HOLD_MAX_S``), so a downloader gets a holder's new copy the moment it is served, not at its next
-poll. Nothing here unpickles what a caller sent. It never lists itself under hivemind's
+timeout past its deadline for the leader to begin (``follower_grace``); a join's and an all-reduce's reply
+streams stay open until the caller closes them (``stream_linger``). Its part of each all-reduce is reduced
+by ``rule`` with every sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is
+closed. A caller that saw metadata not worth a copy may ask for the copy to be sent once that changes
+(``rpc_fetch_copy``, held up to ``HOLD_MAX_S``), so a downloader gets a holder's new copy the moment it is
+served, not at its next poll. Nothing here unpickles what a caller sent. It never lists itself under hivemind's
 ``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that listing,
 stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
 """
@@ -36,6 +37,7 @@ from swarm.net.dht_node import as_hivemind_child
 from swarm.net.failed_groups import RemembersFailedGroups, gathered_blob
 from swarm.net.follower_grace import keep_accepted_followers
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
+from swarm.net.stream_linger import lingering
 from swarm.net.swarm_key import SwarmKey
 from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
@@ -211,7 +213,14 @@ class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
         if not self._admits(gathered_token(request.gather), context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
+        async for message in lingering(super().rpc_join_group(request, context)):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, with the stream held open after the last part until the member closes it."""
+        async for message in lingering(super().rpc_aggregate_part(stream, context)):
             yield message
 
     async def rpc_download_state(
