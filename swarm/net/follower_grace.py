@@ -9,7 +9,8 @@ its search's deadline: at the end of a search the two can be milliseconds apart.
 passes before the begin message arrives (two busy cores; a leader's event loop that is late) ends its step
 with "could not find a group", while the leader and the rest of the group start an all-reduce that counts
 it: every other member then waits out the sender and reducer timeouts and gets a partial round (3 of 30
-convergence runs on 2 cores, benchmarks/README.md). hivemind itself waits that message up to a request
+convergence runs on 2 cores had a member counted so, by this race or by a begin message lost with its
+stream, ``stream_linger``; benchmarks/README.md). hivemind itself waits that message up to a request
 timeout past the leader's expiration; only the step's deadline cuts it short. Here the search still ends at
 the deadline for a peer that is not an accepted follower, so nothing else waits longer.
 """
