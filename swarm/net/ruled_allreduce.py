@@ -98,7 +98,7 @@ class RuledAllReduceRunner(AllReduceRunner):
         await super()._ban_sender(peer_id)
 
     def _log(self, why: str) -> None:
-        # logged at once: a sender is often left out after our own share is done (its reply stream cut)
+        # logged at once: a sender is often left out after our own share is done
         log.warning(f"{self._prefix} all-reduce {self.group_id.hex()[:8]}: {why}")
 
 

@@ -13,9 +13,9 @@ streams stay open until the caller closes them (``stream_linger``). Its part of 
 by ``rule`` with every sender weighted 1 (``ruled_allreduce``). hivemind's own ``rpc_download_state`` is
 closed. A caller that saw metadata not worth a copy may ask for the copy to be sent once that changes
 (``rpc_fetch_copy``, held up to ``HOLD_MAX_S``), so a downloader gets a holder's new copy the moment it is
-served, not at its next poll. Nothing here unpickles what a caller sent. It never lists itself under hivemind's
-``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that listing,
-stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
+served, not at its next poll. Nothing here unpickles what a caller sent. It never lists itself under
+hivemind's ``<prefix>.all_averagers`` DHT key: downloads here ask a holder named by its heartbeat, and that
+listing, stored again after every averaged tensor, cost a demo peer about 0.35 MB a round in DHT lookups.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ it, and the caller closes once it has every message it expects.
 
 hivemind's p2pd pipes each stream between a unix socket and a libp2p stream (learning-at-home/go-libp2p-
 daemon, ``stream.go``). When a handler returns, its socket closes and the daemon closes the libp2p stream;
-the copy in the other direction then fails, and the daemon resets the stream. The caller's daemon drops what it had received but not yet passed on when the
-reset arrives, and the caller's hivemind reads the closed socket as a clean end of stream. So a handler
-that returns right after its last message can lose the last messages: with plain hivemind P2P on
-127.0.0.1, 15 of 65 fresh pairs of daemons lost a whole three-message reply in at least one of 10 calls
-(none in 250 calls with these two). In a round that was a reducer's last averaged parts ("peer X sent 27
-parts, but we expected 32": a partial all-reduce) or a leader's begin message (a member counted in a group
-it never heard of). A handler whose caller closes first never resets under a reply in flight.
+the copy in the other direction then fails, and the daemon resets the stream. The caller's daemon drops
+what it had received but not yet passed on when the reset arrives, and the caller's hivemind reads the
+closed socket as a clean end of stream. So a handler that returns right after its last message can lose
+the last messages: with plain hivemind P2P on 127.0.0.1, 15 of 65 fresh pairs of daemons lost a whole
+three-message reply in at least one of 10 calls (none in 250 calls with these two). In a round that was a
+reducer's last averaged parts ("peer X sent 27 parts, but we expected 32": a partial all-reduce) or a
+leader's begin message (a member counted in a group it never heard of). A handler whose caller closes first never resets under a reply in flight.
 """
 
 from __future__ import annotations
