@@ -187,11 +187,19 @@ class Training:
         self._thread.join(timeout=60)
         self._stop.clear()
 
-    def rate(self, seconds: float) -> float:
-        """Steps per second over the next ``seconds``."""
-        start = self.steps
+    def rate(self, seconds: float, patience_s: float = 60.0) -> float:
+        """Steps per second over at least the next ``seconds``, counted from the thread's first step (which
+        also allocates the optimizer's state) and until one more step is in (on two cores shared with the
+        parallel suite, a tiny model once took no step in 0.5 s and read 0); each wait at most
+        ``patience_s``."""
+        end = time.monotonic() + patience_s
+        while self.steps == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        start, began = self.steps, time.perf_counter()
         time.sleep(seconds)
-        return (self.steps - start) / seconds
+        while self.steps == start and time.monotonic() < end:
+            time.sleep(0.01)
+        return (self.steps - start) / (time.perf_counter() - began)
 
 
 def timed(work: RoundWork, part: str, repeats: int) -> float:
