@@ -176,8 +176,9 @@ def start_peer(args: list[str], log: Path) -> subprocess.Popen:
         )
 
 
-def reap(procs) -> None:
-    """Kill every process group we started that is still there (by PID)."""
+def reap(procs) -> int:
+    """Kill every process group we started that is still there (by PID), and wait (up to 10 s) until each
+    is gone, its other members (DHT, p2pd) included; returns how many were killed."""
     import contextlib
     import signal
     import time
@@ -192,6 +193,15 @@ def reap(procs) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
+    end = time.monotonic() + 10  # the leader is gone at once, its children a moment later
+    for p in running:
+        while time.monotonic() < end:
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+    return len(running)
 
 
 # The swarms of real processes: `make test` runs them one at a time, after the rest of the suite (which runs

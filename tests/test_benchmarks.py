@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from swarm.net.p2p_sockets import YOUNG_S, p2p_sockets, remove_stale_p2p_sockets
+from tests.conftest import reap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +52,7 @@ def runs(tmp_path_factory):
     import torch
 
     logs = tmp_path_factory.mktemp("benchmarks")
-    procs = {}
+    procs, sockets_before = {}, p2p_sockets()
     try:
         for name, (script, *args) in RUNS.items():
             if name == "gpu_step_bare" and torch.cuda.is_available():
@@ -61,14 +64,14 @@ def runs(tmp_path_factory):
                     stdout=fo,
                     stderr=fe,
                     cwd=ROOT,
+                    start_new_session=True,  # its own process group: killed with its DHT's processes
                 )
             procs[name] = (proc, out, err)
         yield procs
-    finally:
-        for proc, _, _ in procs.values():  # a test that failed early leaves its script running
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    finally:  # a test that failed early, or was not selected, leaves its script running
+        if reap([proc for proc, _, _ in procs.values()]):
+            time.sleep(YOUNG_S)  # a killed daemon's socket may be younger than what counts as stale
+            remove_stale_p2p_sockets(sockets_before)  # its daemons could not remove their own
 
 
 def _finished(run: tuple, timeout: int) -> subprocess.CompletedProcess:
