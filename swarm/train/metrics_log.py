@@ -61,4 +61,7 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The records of a metrics file, also one that a peer is writing: a line counts once its newline is
+    in, so a line still being written (or cut by a kill) is left out, not read as malformed JSON."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")[:-1]  # the piece after the last newline
+    return [json.loads(line) for line in lines if line.strip()]
