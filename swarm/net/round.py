@@ -138,9 +138,11 @@ class RoundContext:
 def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> RoundResult:
     """See the module docstring."""
     t0, timing = time.monotonic(), ctx.timing
-    if plan.scheduled is not None:
+    if plan.scheduled is not None and not plan.last:
         # hivemind starts matchmaking at once whatever the scheduled time, so a step begun early joins
-        # whichever ordinary round another peer is in: start looking only when the shared window opens
+        # whichever ordinary round another peer is in: start looking only when the shared window opens.
+        # A last round meets only other last rounds (a key of their own), so it looks at once: its groups
+        # begin as soon as every member they expect is in, not seconds after the last of them has stopped
         time.sleep(max(0.0, plan.scheduled - timing.matchmaking_s - time.time()))
     wait = 0.0 if plan.scheduled is None else max(0.0, plan.scheduled - time.time())
     deadline = time.monotonic() + wait + timing.round_s
