@@ -274,3 +274,27 @@ def test_a_final_copy_cut_short_is_asked_for_again_until_it_comes_whole():
                                               time.monotonic() + 5)  # fmt: skip
     assert failures == rejected == [] and got[1][0].tolist() == [[0.25] * 4] * 8
     assert got[3][0].tolist() == [[0.375] * 4] * 8
+
+
+def test_a_holder_that_stopped_training_is_asked_once_more_and_not_waited_for():
+    """A holder in the same round as we are, whose heartbeat then says it stopped training (its last round
+    is next, and that round waits for ours): its copy newer than ours is taken at once, without waiting for
+    one from our round; one no newer than ours is not taken, and neither is a failure."""
+    net = LocalNetwork()
+    server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {3: [torch.full((8, 4), 0.5)]}
+    server.update({"expert3": [torch.full((8, 4), 0.75)]}, step=95, final=False)  # not from our round
+    stop = threading.Event()
+    threading.Timer(0.8, stop.set).start()
+    t0 = time.monotonic()
+    fetch = (mine, 100, False, t0 + 10, {3: 90}, None, lambda peer: stop.is_set())
+    got, _, failures = downloads.fetch({3: [("b", 100)]}, *fetch)
+    assert failures == [] and got[3][0].tolist() == [[0.75] * 4] * 8 and downloads.steps == {3: 95}
+    assert 0.8 <= time.monotonic() - t0 < 0.8 + HOLD_S + 1.0
+    t0 = time.monotonic()
+    got, _, failures = downloads.fetch({3: [("b", 100)]}, *fetch[:4], {3: 95}, None, lambda peer: True)
+    assert got == {} and failures == [] and time.monotonic() - t0 < 1.0
+    # not stopped: it is waited for until the deadline, and that is a failure
+    t0 = time.monotonic()
+    got, _, failures = downloads.fetch({3: [("b", 100)]}, mine, 100, False, t0 + 3, {3: 95})
+    assert got == {} and failures and time.monotonic() - t0 > 2

@@ -9,7 +9,8 @@ the time before, last), the next one for what it could not give; holders are ask
 so a round waits for the slowest, not for their sum. In an ordinary round a holder still in the same round
 is asked again until the deadline (its result is the copy worth having): once it has shown an older copy,
 each ask for the copy is held by the holder until it serves a new one, so the copy comes when it is served,
-not at the next poll. A holder behind us is taken as it is. After the last round only the holder's final
+not at the next poll. A holder behind us is taken as it is, and so is one that has stopped training (its
+last round is next, and it waits for ours). After the last round only the holder's final
 copy will do (every peer must end with it), up to the deadline; from a holder behind us, only a copy newer
 than the one we hold (``held``), for a few seconds. Every copy passes the tensor checks against ours, and
 stays fp16 as it travelled. Copies of one fetch must also move alike: one whose change since our copy is far
@@ -86,6 +87,7 @@ class ExpertDownloads:
         self._misses: dict[str, int] = {}  # peer -> fetches in a row in which it served nothing asked of it
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
         self._lagged: threading.Event | None = None  # of the current fetch: ``fetch``'s ``lagged``
+        self._stopped: Callable[[str], bool] = lambda peer: False  # of the current fetch: ``stopped``
         # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none),
         # and of the current fetch the RMS value of each: how far a new copy may have grown (``norm_factor``)
         self._copy_steps: dict[int, int] = {}
@@ -125,18 +127,21 @@ class ExpertDownloads:
         deadline: float,
         held: Mapping[int, int] | None = None,
         lagged: threading.Event | None = None,
+        stopped: Callable[[str], bool] | None = None,
     ) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
         """({expert: tensors}, rejected, failures) for the experts in ``holders`` (expert -> (peer, its
         last reported step) pairs). ``final``: only a holder's final copy (settled after its last round).
         ``held``: the step of each copy we hold (a holder behind us serves nothing newer until its round).
         ``lagged`` (``sync.lagged_refresh``: a holder serves its last round's copies from its round's
         start): every holder is asked as one behind us is, for a copy newer than ours, until the event is
-        set (our groups are done: a holder that has none by then has none this round)."""
+        set (our groups are done: a holder that has none by then has none this round). ``stopped(peer)``:
+        whether a holder has stopped training (its last round is next); from then on it is asked as one
+        behind us is, once more and without waiting."""
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
         self.received, self.steps, self._held, self.waited_s = 0, {}, dict(held or {}), 0.0
-        self._lagged = lagged
+        self._lagged, self._stopped = lagged, stopped or (lambda peer: False)
         self._copy_steps |= self._held
         self._rms = {e: rms(mine[e]) for e in holders if e in mine}
         # the freshest holders first, but those that gave us nothing before last: a member that claims
@@ -283,7 +288,14 @@ class ExpertDownloads:
         newer_only = behind and bool(have)  # nothing newer within the patience: we keep ours, no failure
         give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if newer_only else deadline
         groups_done = self._lagged if newer_only else None  # a lagged refresh asks no longer than that
+        stopped = False
         while True:
+            if not final and not stopped and self._stopped(peer):
+                # a holder that stopped training serves nothing fresher before its last round, and that
+                # round waits for ours to end: what it serves now will do if it is newer than ours
+                stopped, newer_only = True, bool(have)
+                min_step = min(have) + 1 if have else None
+                give_up = min(give_up, time.monotonic() + RETRY_S)  # one more ask, not held
             left = deadline - time.monotonic()
             lag_over = groups_done is not None and groups_done.is_set()
             if left <= RETRY_S or time.monotonic() >= give_up or lag_over:

@@ -43,7 +43,7 @@ from swarm.net.membership import MembershipView
 from swarm.net.prematch import Prematched, leave
 from swarm.net.round_checks import add_time, check_outcome, confirm_outcome, our_info, weighted
 from swarm.net.round_consensus import StoreDigests
-from swarm.net.round_downloads import Gate, RoundDownloads
+from swarm.net.round_downloads import Gate, RoundDownloads, stopped_training
 from swarm.net.round_info import REFERENCES_DIFFER
 from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads
@@ -184,6 +184,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             plan.copy_steps,
             gate,
             groups_done if lagged else None,
+            stopped_training(ctx.view_now),
         )
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)

@@ -22,6 +22,7 @@ import torch
 
 from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_tensors import on_this_stream
+from swarm.net.membership import MembershipView
 
 JOIN_MARGIN_S = 5.0  # past the deadline: a fetch that overran is given up (every wait inside has a bound)
 
@@ -50,28 +51,32 @@ class RoundDownloads:
         held: Mapping[int, int] | None = None,
         after: Gate | None = None,
         lagged: threading.Event | None = None,
+        stopped: Callable[[str], bool] | None = None,
     ) -> RoundDownloads:
         """``held``: the step of each copy we hold (``ExpertDownloads.fetch``). ``after``: begin once it
         opens (the round's groups have their members), so that the downloads do not hold up matchmaking's
         messages on a narrow link. ``lagged``: any copy newer than ours will do, until it is set (our
-        groups are done): ``sync.lagged_refresh``, holders serve their last round's copies from its start."""
+        groups are done): ``sync.lagged_refresh``, holders serve their last round's copies from its start.
+        ``stopped``: whether a holder has stopped training (``stopped_training``)."""
         self = cls(downloads, deadline)
         # on the round's stream: the copies of ours it reads are on the GPU of a GPU peer (``on_this_stream``)
         self._thread = threading.Thread(
-            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged),
+            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged, stopped),
             name="swarm-round-downloads", daemon=True,
         )  # fmt: skip
         self._thread.start()
         return self
 
     def _run(
-        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None
+        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None, stopped
     ) -> None:
         try:
             if after is not None:
                 after.wait()
             self.began_at = time.monotonic()
-            self._result = self.downloads.fetch(holders, mine, step, False, self.deadline, held, lagged)
+            self._result = self.downloads.fetch(
+                holders, mine, step, False, self.deadline, held, lagged, stopped
+            )
             self.steps, self.waited_s = dict(self.downloads.steps), self.downloads.waited_s
             self.ended_at = time.monotonic()
         except Exception as e:  # reported by wait(): a download must not end the round's thread
@@ -110,3 +115,18 @@ class Gate:
             return self.is_open()
         except Exception:  # a group whose state cannot be read holds nothing up
             return True
+
+
+def stopped_training(view_now: Callable[[], MembershipView] | None) -> Callable[[str], bool]:
+    """Whether a peer has stopped training, as the heartbeats seen now say: it is in its last round or done
+    (``take_last_round``), or gone from view. Such a holder serves no fresher copy before its last round,
+    and that round waits for ours: near a shared stop, a download that waited for it held our round past
+    the others' last round (real swarm, 12 s)."""
+    if view_now is None:
+        return lambda peer: False
+
+    def stopped(peer: str) -> bool:
+        beat = view_now().peers.get(peer)
+        return beat is None or beat.state in ("finishing", "done")
+
+    return stopped
