@@ -1,6 +1,7 @@
 """The last round of peers given one stop time (``swarm-peer --stop-at``): in one process, on the in-memory
 network, with real models and ``SwarmSync``."""
 
+import dataclasses
 import time
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 
 from swarm.net.expert_tensors import dense_tensors
 from swarm.net.local_transport import LocalNetwork
-from tests.sync_peers import SYNC, peer, run
+from swarm.net.timing import Timing
+from swarm.train.sync_hook import StepReport
+from tests.sync_peers import MODEL, SYNC, peer, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,3 +39,34 @@ def test_a_shared_last_round_begins_once_every_peer_is_in_not_at_its_scheduled_t
         for got, want in zip(dense_tensors(peers[me][0]), ref, strict=True):
             assert torch.allclose(got, want, atol=1e-6 * max(1.0, want.abs().max().item()), rtol=0), me
 
+
+def test_an_ordinary_round_near_a_shared_stop_looks_no_longer_than_a_partner_could_come():
+    """No peer given the stop time starts an ordinary round after ``Timing.last_ordinary_start``: a round
+    started just before it, whose partner reaches its sync point only after it (and skips), looks for that
+    partner until a matchmaking time past it, not for its whole window (which kept both peers' last
+    round waiting on a real swarm: 7 to 10 s)."""
+    sync = dataclasses.replace(SYNC, round_timeout_s=12.0)  # an ordinary round looks 3.3 s
+    timing = Timing.from_config(sync)
+    net = LocalNetwork(matchmaking_s=5.0)
+    # each holds every expert: nothing to download (which waits for b's copies by rules of its own)
+    peers = {me: peer(net, me, [0, 1, 2, 3], seed=i, sync=sync) for i, me in enumerate("ab")}
+    model, a = peers["a"]
+    t0 = time.time()
+    a.last_round_at = t0 + 5.0
+    cutoff = timing.last_ordinary_start(a.last_round_at)
+    assert cutoff - t0 == pytest.approx(1.4) and timing.ordinary_matchmaking_s == pytest.approx(3.3)
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+    try:
+        time.sleep(max(0.0, t0 + 0.8 - time.time()))  # b is in a's view, training, but reaches no sync point
+        for step in range(1, sync.sync_every + 1):  # a round starts at the last of these steps
+            a.after_step(model, StepReport(step, 64 * step, 64, tokens, 1.0, steps_left=100))
+        a.wait_for_round()
+        ended = time.time()
+        (rec,) = a.apply_finished(model)
+        assert rec.started and not rec.last and rec.dense_group == 1, rec
+        # it gave up a matchmaking time after the cutoff (+0.3 s), not 3.3 s after it began (t0 + 4.1)
+        gave_up = ended - cutoff
+        assert sync.matchmaking_s - 0.1 <= gave_up < sync.matchmaking_s + 1.0, (gave_up, rec)
+    finally:
+        for _, s in peers.values():
+            s.close()

@@ -5,8 +5,8 @@
     store, transport = net.store("a"), net.transport("a")     # one pair per simulated peer
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window
-(from the first start, or at the scheduled time) form one group, last rounds apart from ordinary ones; at
-least two make a round. The average is the plain mean of what members sent, or the ``rule``'s aggregate
+(from the first start, or at the scheduled time; a round that asks for a shorter window than the network's
+gets it) form one group, last rounds apart from ordinary ones; at least two make a round. The average is the plain mean of what members sent, or the ``rule``'s aggregate
 (applied to each whole tensor, where hivemind's reducers apply it to each streamed part), through the codec
 as hivemind's butterfly all-reduce does it: each member's share travels encoded to its reducer, and each
 member gets (mean - its own) back encoded, except in the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
@@ -106,13 +106,14 @@ class LocalNetwork:
     # -- groups ---------------------------------------------------------------------------------------------
     def join(
         self, name: str, me: str, tensors: list[torch.Tensor] | None, info: dict, scheduled: float | None,
-        expected: int | None = None,
+        expected: int | None = None, look_s: float | None = None,
     ):  # fmt: skip
         key = (name, is_last_round(info))  # as hivemind's group key: last rounds meet only each other
         with self.lock:
             form = self.forming.get(key)
             if form is None or form.results is not None or time.time() >= form.closes_at:
-                closes = scheduled if scheduled is not None else time.time() + self.matchmaking_s
+                window = self.matchmaking_s if look_s is None else min(self.matchmaking_s, look_s)
+                closes = scheduled if scheduled is not None else time.time() + window
                 codec = self.dense_codec if is_dense_group(name) else self.codec
                 form = self.forming[key] = _Formation(closes, codec)
             form.sent[me] = (tensors, info)
@@ -236,7 +237,7 @@ class LocalGroup:
         with self.net.lock:
             self._stop_serving()
         copies = [t.detach().clone() for t in tensors]
-        return self.net.join(self.name, self.me, copies, info, scheduled, expected)
+        return self.net.join(self.name, self.me, copies, info, scheduled, expected, matchmaking_s)
 
     def _stop_serving(self) -> None:
         # like hivemind's buffers: nothing served while a round runs, but the prints (the caller locks)

@@ -49,7 +49,7 @@ from swarm.net.round_merge import merge_round
 from swarm.net.round_payload import Payloads
 from swarm.net.round_phases import Phases
 from swarm.net.served_prints import served_prints
-from swarm.net.timing import Timing
+from swarm.net.timing import MIN_LOOK_S, Timing
 from swarm.net.transport import DigestExchange, Group, GroupOutcome, GroupTransport, Store
 from swarm.train.round_record import RoundRecord
 
@@ -80,6 +80,8 @@ class RoundPlan:
     prematched: Mapping[str, Prematched] = field(default_factory=dict)
     # an ordinary round's wall-clock slot (``sync.sync_every_s``), whose end bounds its matchmaking
     slot: int | None = None
+    # wall time: an ordinary round near a shared stop looks for members until then at most
+    look_until: float | None = None
 
 
 @dataclass
@@ -155,6 +157,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
     meta = {"items": [DENSE], "step": plan.step, "round": plan.index, "last": plan.last}
     look_s = wait + timing.matchmaking_left(plan.slot, time.time())  # for groups that meet now
+    if plan.look_until is not None:
+        look_s = max(MIN_LOOK_S, min(look_s, plan.look_until - time.time()))
     begin_by = plan.scheduled
     if begin_by is None and plan.last:
         # peers reach their step limits seconds apart: a last round's group waits out its window for them

@@ -189,7 +189,7 @@ class SwarmSync:
         by_steps = self.sc.sync_every_s > 0 and not met_early
         if by_steps and left is not None and left < self.sc.sync_every:
             return True
-        return at is not None and time.time() + t.ordinary_matchmaking_s >= at - t.matchmaking_s
+        return at is not None and time.time() >= t.last_ordinary_start(at)
 
     def experts_changed(self, model: MoETransformer) -> None:
         """The trainer switched experts: serve the new ones, forget the old ones' momentum, tell the swarm.
@@ -241,6 +241,12 @@ class SwarmSync:
         # an ordinary wall-clock round's slot: that of its early meeting (at our last step, the next one)
         last = scheduled is not None or self.leaving
         slot = None if last else early.slot if early is not None else self._slot
+        # no partner given our stop time starts an ordinary round after its last start: looking for members
+        # longer than a matchmaking time past it only keeps our last round (and theirs) waiting
+        at = self.last_round_at
+        look_until = (
+            None if last or at is None else self.timing.last_ordinary_start(at) + self.timing.matchmaking_s
+        )
         if early is not None:  # its weights counted the tokens until it met: the rest count next time
             weights, groups = dict(early.weights), list(early.groups)
             self._tokens -= early.counted[0]
@@ -266,6 +272,7 @@ class SwarmSync:
             copy_steps=dict(self.copy_steps),
             prematched=early.handles if early is not None else {},
             slot=slot,
+            look_until=look_until,
         )
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
         self._in_flight_until = time.monotonic() + wait + self.timing.join_round_s

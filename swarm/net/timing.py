@@ -51,6 +51,12 @@ class Timing:
         """How long an ordinary round's averaging step may look for a group."""
         return self.matchmaking_s + self.round_s / 4
 
+    def last_ordinary_start(self, last_round_at: float) -> float:
+        """The wall time after which no peer given this last round's time starts an ordinary round: one
+        started later could still be looking for members when the last round's window opens (it would meet
+        the last round's steps, and that mixed group is dropped by all)."""
+        return last_round_at - self.matchmaking_s - self.ordinary_matchmaking_s
+
     def matchmaking_left(self, slot: int | None, now: float) -> float:
         """How long, from wall time ``now``, an ordinary round of wall-clock slot ``slot`` (None: rounds on
         steps), or a group met early for it, may look for members: ``ordinary_matchmaking_s``, but never
