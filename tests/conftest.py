@@ -205,7 +205,7 @@ def reap(procs) -> int:
 
 
 # The swarms of real processes: `make test` runs them one at a time, after the rest of the suite (which runs
-# on three workers, one module per worker at a time), because their timing assumes that no other swarm and no
+# on four workers, one module per worker at a time), because their timing assumes that no other swarm and no
 # heavy test shares the 2 cores. `pytest -m swarm` selects them, `-m "not swarm"` the rest.
 SWARMS = {
     "test_swarm.py",
