@@ -6,10 +6,11 @@
 
 Groups form like hivemind's: members that start a round under the same name within the matchmaking window
 (from the first start, or at the scheduled time; a round that asks for a shorter window than the network's
-gets it) form one group, last rounds apart from ordinary ones; at least two make a round. The average is the plain mean of what members sent, or the ``rule``'s aggregate
-(applied to each whole tensor, where hivemind's reducers apply it to each streamed part), through the codec
-as hivemind's butterfly all-reduce does it: each member's share travels encoded to its reducer, and each
-member gets (mean - its own) back encoded, except in the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
+gets it) form one group, last rounds apart from ordinary ones; at least two make a round. The average is the
+plain mean of what members sent, or the ``rule``'s aggregate (applied to each whole tensor, where hivemind's
+reducers apply it to each streamed part), through the codec as hivemind's butterfly all-reduce does it: each
+member's share travels encoded to its reducer, and each member gets (mean - its own) back encoded, except in
+the share it reduced itself. Faults (``Fault.kind``), each at a chosen round of a chosen peer:
 
 - ``drop``: the peer leaves mid-all-reduce: it fails, and the others keep their own values in the share
   that the peer was reducing (the partial result hivemind reports as success);

@@ -53,8 +53,8 @@ class Timing:
 
     def last_ordinary_start(self, last_round_at: float) -> float:
         """The wall time after which no peer given this last round's time starts an ordinary round: one
-        started later could still be looking for members when the last round's window opens (it would meet
-        the last round's steps, and that mixed group is dropped by all)."""
+        started later could still be looking for members when the last round is due to begin, and a peer
+        still in it then misses that round (``SwarmSync``'s ``_near_last_round``)."""
         return last_round_at - self.matchmaking_s - self.ordinary_matchmaking_s
 
     def matchmaking_left(self, slot: int | None, now: float) -> float:
