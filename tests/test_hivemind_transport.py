@@ -16,6 +16,7 @@ import torch
 from hivemind.averaging.control import StepControl
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.net import stream_linger
 from swarm.net.dht_node import hivemind_child_signals, start_dht, visible_maddrs
 from swarm.net.hivemind_group import HivemindGroup, await_step, close_groups
 from swarm.net.hivemind_transport import HivemindStore, HivemindTransport
@@ -47,6 +48,9 @@ def _member(i, maddrs, out, ready):
     # copy below) would wait forever for the pool's threads, which the fork did not copy
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(60, exit=False)  # a member still here after 60 s says where it is
+    # a reply stream stays open 30 s unless its caller closes it: a download here (timeout 20 s) that did
+    # not close at the copy's end would come back empty (forked: the averagers get it too)
+    stream_linger.LINGER_S = 30.0
     dht, opened = start_dht(maddrs), []
     try:
         transport = HivemindTransport(dht, TIMING)

@@ -132,3 +132,19 @@ def test_an_ask_for_a_fresher_copy_is_held_until_the_holder_serves_one(dhts):
         assert time.monotonic() - t0 >= HOLD_MAX_S  # it was held, up to the holder's bound
     finally:
         close_groups([holder])
+
+
+def test_only_an_empty_message_ends_a_copy():
+    """``COPY_END`` is told from every message a copy is made of: metadata alone (a hold in vain), a tensor's
+    first part (its dtype), a later part (bytes only), and an empty tensor's part."""
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from swarm.net.serving_averager import COPY_END, is_copy_end
+
+    parts = [
+        averaging_pb2.DownloadData(metadata=b"\x80"),
+        averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(dtype="float16", size=[0])),
+        averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=b"\x00\x3c")),
+    ]
+    assert is_copy_end(COPY_END) and not any(is_copy_end(m) for m in parts)
+    assert is_copy_end(averaging_pb2.DownloadData.FromString(COPY_END.SerializeToString()))  # as it arrives

@@ -30,9 +30,10 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import MSGPackSerializer
 
+from swarm.net.copy_fetch import fetch_copy
 from swarm.net.dht_node import hivemind_child_signals
 from swarm.net.served_prints import kept_prints
-from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, fetch_copy, round_info
+from swarm.net.serving_averager import MAX_INFO_BYTES, ServingAverager, round_info
 from swarm.net.transport import GroupOutcome, is_last_round
 from swarm.sync.robust_mean import AggregationRule
 

@@ -1,7 +1,7 @@
 """The averager behind a ``HivemindGroup``: it serves a copy apart from its buffers, to members only.
 
     averager = ServingAverager(buffers, dht, prefix="demo_dense", swarm_key=key, ...)  # hivemind's arguments
-    meta, tensors, held_s = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)  # DHT's process
+    meta, tensors, held_s = await fetch_copy(dht, node, peer, "demo_experts", 30.0, token)  # copy_fetch
 
 hivemind's ``DecentralizedAverager`` plus: a copy that the host sets (``HivemindGroup.serve``) is what
 downloaders get, its metadata answered alone from the averager's process (``rpc_served_metadata``); the
@@ -39,7 +39,6 @@ from swarm.net.follower_grace import keep_accepted_followers
 from swarm.net.ruled_allreduce import RuledAllReduceRunner, partial_allreduce
 from swarm.net.stream_linger import lingering
 from swarm.net.swarm_key import SwarmKey
-from swarm.net.transport import metadata_accepted
 from swarm.sync.robust_mean import AggregationRule
 
 MAX_INFO_BYTES = 4096
@@ -48,6 +47,9 @@ MAX_INFO_BYTES = 4096
 HOLD_MAX_S = 2.0
 ANNOUNCE_PART = 8192
 LAST_ROUND_BITS = "1"  # group bits of a last round's matchmaking key (ordinary rounds': none)
+# a download's last message: a copy's messages all carry metadata or a tensor part, so an empty one ends it
+# (a caller that does not know it ignores it as it ignores any message without a tensor part)
+COPY_END = averaging_pb2.DownloadData()
 # hivemind waits for a new averager with no timeout; one whose request to its DHT process (for the p2p
 # daemon) goes unanswered waits forever (seen in the suite: a DHT process gone, every later group hung)
 READY_S = 60.0
@@ -238,14 +240,20 @@ class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
         A request that names the metadata it saw (``schema_hash``: its ``metadata_digest``) and how long it
         may wait (``expiration``, seconds) is held until the metadata differs from that; held to its end
         (at most ``HOLD_MAX_S``) with nothing new served, it is answered with the metadata alone (the
-        caller saw that copy, and did not want it)."""
+        caller saw that copy, and did not want it). Its last message is ``COPY_END``, and the stream stays
+        open (``lingering``) until the caller, which has it all then, closes it."""
         if not self._admits(request.gather, context):
             return
+        async for message in lingering(self._served_copy(request, context)):
+            yield message
+
+    async def _served_copy(self, request: averaging_pb2.JoinRequest, context: P2PContext):
         if await self._held_in_vain(request):
             yield averaging_pb2.DownloadData(metadata=getattr(self, "_announced", b""))
-            return
-        async for message in super().rpc_download_state(averaging_pb2.DownloadRequest(), context):
-            yield message
+        else:
+            async for message in super().rpc_download_state(averaging_pb2.DownloadRequest(), context):
+                yield message
+        yield COPY_END
 
     async def rpc_served_metadata(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -312,74 +320,11 @@ class ServingAverager(RemembersFailedGroups, hivemind.DecentralizedAverager):
                 await p2p.shutdown()
 
 
+def is_copy_end(message: averaging_pb2.DownloadData) -> bool:
+    """Whether a download's message is ``COPY_END`` (no metadata, no tensor part: nothing else is empty)."""
+    return not (message.metadata or message.tensor_part.dtype or message.tensor_part.buffer)
+
+
 def metadata_digest(blob: bytes) -> bytes:
     """What a held request names the served metadata it saw by (``rpc_fetch_copy``)."""
     return hashlib.blake2b(blob, digest_size=16).digest()
-
-
-async def fetch_copy(
-    dht,
-    node,
-    peer: str,
-    prefix: str,
-    timeout: float,
-    token: bytes,
-    accept=None,
-    max_bytes: int | None = None,
-    hold_s: float = 0.0,
-):
-    """Runs inside the DHT process (``dht.run_coroutine``): stream one group's served copy from ``peer``,
-    showing our member ``token`` (b"" without a swarm key). A copy larger than ``max_bytes`` is cut off and
-    gives None (a holder must not be able to fill our memory).
-    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
-    ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
-    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). After
-    refused metadata, with ``hold_s``, the copy is asked for held: the holder sends it once it serves
-    anything new (up to ``hold_s``), or its metadata alone.
-    Gives (metadata, tensors, seconds held before the metadata was accepted), or None."""
-    from hivemind.compression import deserialize_torch_tensor
-    from hivemind.p2p import PeerID
-    from hivemind.utils.streaming import combine_from_streaming
-
-    async def fetch():
-        stub = ServingAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        ask, held = averaging_pb2.JoinRequest(gather=token), False
-        if accept is not None:  # the metadata first, alone: the copy travels only if it is worth having
-            probe = await stub.rpc_served_metadata(ask)
-            meta = MSGPackSerializer.loads(probe.metadata) if probe.metadata else {}
-            if not metadata_accepted(accept, meta):
-                if hold_s <= 0:
-                    return meta, [], 0.0
-                # the copy itself, asked at once but sent only once the holder serves anything new: one
-                # request after the copy changes, not two (each may wait behind a full link's queue)
-                seen, held = metadata_digest(probe.metadata), True
-                ask = averaging_pb2.JoinRequest(gather=token, schema_hash=seen, expiration=hold_s)
-        stream = await stub.rpc_fetch_copy(ask)
-        meta, parts, tensors, size, held_s = None, [], [], 0, 0.0
-        async for msg in stream:
-            size += len(msg.tensor_part.buffer) + len(msg.metadata)
-            if max_bytes is not None and size > max_bytes:
-                await stream.aclose()
-                return None
-            if msg.metadata:
-                meta = MSGPackSerializer.loads(msg.metadata)
-                held_s = loop.time() - began if held else 0.0
-                if accept is not None and not metadata_accepted(accept, meta):
-                    await stream.aclose()  # what it serves now is for the caller to judge
-                    return meta, [], 0.0
-            if not (msg.tensor_part.dtype or msg.tensor_part.buffer):  # metadata alone (a hold in vain)
-                continue
-            if msg.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(msg.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return meta, tensors, held_s
-
-    try:
-        return await asyncio.wait_for(fetch(), timeout)
-    except Exception:  # a dead or busy holder is an expected answer: None, not a traceback in the DHT's log
-        return None

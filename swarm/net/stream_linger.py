@@ -29,12 +29,12 @@ from hivemind.proto import averaging_pb2
 LINGER_S = 1.0
 
 
-async def lingering(replies: AsyncIterator[Any], linger_s: float = LINGER_S) -> AsyncIterator[Any]:
-    """Every reply, then the stream held open up to ``linger_s`` (the caller's close ends the wait: hivemind
-    cancels a handler whose caller has gone)."""
+async def lingering(replies: AsyncIterator[Any], linger_s: float | None = None) -> AsyncIterator[Any]:
+    """Every reply, then the stream held open up to ``linger_s`` (None: ``LINGER_S`` as it is now; the
+    caller's close ends the wait: hivemind cancels a handler whose caller has gone)."""
     async for reply in replies:
         yield reply
-    await asyncio.sleep(linger_s)
+    await asyncio.sleep(LINGER_S if linger_s is None else linger_s)
 
 
 async def closing_after(stream: AsyncIterator[Any], parts: int) -> AsyncIterator[Any]:
