@@ -298,3 +298,30 @@ def test_a_holder_that_stopped_training_is_asked_once_more_and_not_waited_for():
     t0 = time.monotonic()
     got, _, failures = downloads.fetch({3: [("b", 100)]}, mine, 100, False, t0 + 3, {3: 95})
     assert got == {} and failures and time.monotonic() - t0 > 2
+
+
+def test_a_holder_behind_us_is_waited_for_until_the_next_slots_meeting_at_most():
+    """With rounds on the wall clock, a holder behind us serves one new copy a slot, at its round's start.
+    A round that ran into the next slot took that copy; the next round, asking for a newer one, waited a
+    whole slot for it, and so on, round after round. The wait now ends at the next slot's meeting."""
+    net = LocalNetwork()
+    server, downloads = _holder(net), ExpertDownloads(net.transport("a"), "t_experts", 5.0, 4.0)
+    mine = {3: [torch.full((8, 4), 0.5)]}
+    server.update({"expert3": [torch.full((8, 4), 0.5)]}, step=95, final=False)  # the copy we hold
+    t0 = time.monotonic()
+    got, _, failures = downloads.fetch(
+        {3: [("b", 95)]}, mine, 100, False, t0 + 20, {3: 95}, patience_end=t0 + 1.0
+    )
+    assert got == {} and failures == [] and 1.0 <= time.monotonic() - t0 < 1.0 + HOLD_S, time.monotonic() - t0
+    # a holder in our round is not behind us: waited for until the deadline, whatever the slot
+    threading.Timer(1.8, server.update, ({"expert3": [torch.full((8, 4), 0.75)]}, 100, False)).start()
+    got, _, failures = downloads.fetch(
+        {3: [("b", 100)]},
+        mine,
+        100,
+        False,
+        time.monotonic() + 20,
+        {3: 95},
+        patience_end=time.monotonic() + 0.5,
+    )
+    assert failures == [] and got[3][0].tolist() == [[0.75] * 4] * 8

@@ -88,6 +88,7 @@ class ExpertDownloads:
         self._held: Mapping[int, int] = {}  # of the current fetch: the step of each copy we hold
         self._lagged: threading.Event | None = None  # of the current fetch: ``fetch``'s ``lagged``
         self._stopped: Callable[[str], bool] = lambda peer: False  # of the current fetch: ``stopped``
+        self._patience_end = float("inf")  # of the current fetch: ``patience_end``
         # the step of each copy we hold, as far as we know (kept between fetches: a final fetch is told none),
         # and of the current fetch the RMS value of each: how far a new copy may have grown (``norm_factor``)
         self._copy_steps: dict[int, int] = {}
@@ -128,6 +129,7 @@ class ExpertDownloads:
         held: Mapping[int, int] | None = None,
         lagged: threading.Event | None = None,
         stopped: Callable[[str], bool] | None = None,
+        patience_end: float | None = None,
     ) -> tuple[dict[int, list[torch.Tensor]], list[str], list[str]]:
         """({expert: tensors}, rejected, failures) for the experts in ``holders`` (expert -> (peer, its
         last reported step) pairs). ``final``: only a holder's final copy (settled after its last round).
@@ -136,12 +138,14 @@ class ExpertDownloads:
         start): every holder is asked as one behind us is, for a copy newer than ours, until the event is
         set (our groups are done: a holder that has none by then has none this round). ``stopped(peer)``:
         whether a holder has stopped training (its last round is next); from then on it is asked as one
-        behind us is, once more and without waiting."""
+        behind us is, once more and without waiting. ``patience_end`` (monotonic): a holder behind us is
+        waited for until then at most (the next slot's meeting, with rounds on the wall clock)."""
         got: dict[int, list[torch.Tensor]] = {}
         rejected: list[str] = []
         failures: list[str] = []
         self.received, self.steps, self._held, self.waited_s = 0, {}, dict(held or {}), 0.0
         self._lagged, self._stopped = lagged, stopped or (lambda peer: False)
+        self._patience_end = float("inf") if patience_end is None else patience_end
         self._copy_steps |= self._held
         self._rms = {e: rms(mine[e]) for e in holders if e in mine}
         # the freshest holders first, but those that gave us nothing before last: a member that claims
@@ -286,7 +290,9 @@ class ExpertDownloads:
         have = [self._held[e] for e in wanted if e in self._held]
         min_step = step if not behind else (min(have) + 1 if have else None)
         newer_only = behind and bool(have)  # nothing newer within the patience: we keep ours, no failure
-        give_up = min(deadline, time.monotonic() + BEHIND_PATIENCE_S) if newer_only else deadline
+        # not into the next slot: a round that got the copy served at its start left the next one a slot to wait
+        behind_until = min(time.monotonic() + BEHIND_PATIENCE_S, self._patience_end)
+        give_up = min(deadline, behind_until) if newer_only else deadline
         groups_done = self._lagged if newer_only else None  # a lagged refresh asks no longer than that
         stopped = False
         while True:

@@ -137,6 +137,10 @@ class RoundContext:
         )  # fmt: skip
 
 
+def _monotonic(wall: float | None) -> float | None:
+    return None if wall is None else time.monotonic() + (wall - time.time())
+
+
 def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> RoundResult:
     """See the module docstring."""
     t0, timing = time.monotonic(), ctx.timing
@@ -189,6 +193,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             gate,
             groups_done if lagged else None,
             stopped_training(ctx.view_now),
+            _monotonic(timing.next_meeting(plan.slot)),
         )
 
     ctx.payloads.keep(spec.name for spec, _ in plan.groups)

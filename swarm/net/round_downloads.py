@@ -52,30 +52,33 @@ class RoundDownloads:
         after: Gate | None = None,
         lagged: threading.Event | None = None,
         stopped: Callable[[str], bool] | None = None,
+        patience_end: float | None = None,
     ) -> RoundDownloads:
         """``held``: the step of each copy we hold (``ExpertDownloads.fetch``). ``after``: begin once it
         opens (the round's groups have their members), so that the downloads do not hold up matchmaking's
         messages on a narrow link. ``lagged``: any copy newer than ours will do, until it is set (our
         groups are done): ``sync.lagged_refresh``, holders serve their last round's copies from its start.
-        ``stopped``: whether a holder has stopped training (``stopped_training``)."""
+        ``stopped``: whether a holder has stopped training (``stopped_training``). ``patience_end``
+        (monotonic): how long a holder behind us is waited for at most (``ExpertDownloads.fetch``)."""
         self = cls(downloads, deadline)
         # on the round's stream: the copies of ours it reads are on the GPU of a GPU peer (``on_this_stream``)
         self._thread = threading.Thread(
-            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged, stopped),
+            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged, stopped, patience_end),
             name="swarm-round-downloads", daemon=True,
         )  # fmt: skip
         self._thread.start()
         return self
 
     def _run(
-        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None, stopped
-    ) -> None:
+        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None, stopped,
+        patience_end: float | None,
+    ) -> None:  # fmt: skip
         try:
             if after is not None:
                 after.wait()
             self.began_at = time.monotonic()
             self._result = self.downloads.fetch(
-                holders, mine, step, False, self.deadline, held, lagged, stopped
+                holders, mine, step, False, self.deadline, held, lagged, stopped, patience_end
             )
             self.steps, self.waited_s = dict(self.downloads.steps), self.downloads.waited_s
             self.ended_at = time.monotonic()

@@ -63,11 +63,17 @@ class Timing:
         into the next slot's meeting. Every slot's groups have the same names, so a round still looking
         then joins them: in a demo, a peer's first round, begun 2.6 s into a slot that the others had not
         started, joined at 11.3 s the groups they had met for the next slot."""
-        if slot is None or self.slot_s <= 0:
+        next_meeting = self.next_meeting(slot)
+        if next_meeting is None:
             return self.ordinary_matchmaking_s
-        # a margin for clocks that differ between peers, and for requests already under way at the end
-        next_meeting = (slot + 1) * self.slot_s - self.meet_early_s - min(1.0, self.slot_s / 10)
         return max(MIN_LOOK_S, min(self.ordinary_matchmaking_s, next_meeting - now))
+
+    def next_meeting(self, slot: int | None) -> float | None:
+        """The wall time at which the next slot's groups may start to meet, less a margin for clocks that
+        differ between peers and for requests already under way (None: rounds on steps)."""
+        if slot is None or self.slot_s <= 0:
+            return None
+        return (slot + 1) * self.slot_s - self.meet_early_s - min(1.0, self.slot_s / 10)
 
     @property
     def final_window_s(self) -> float:
