@@ -30,14 +30,12 @@ async def fetch_copy(
     max_bytes: int | None = None,
     hold_s: float = 0.0,
 ):
-    """Runs inside the DHT process (``dht.run_coroutine``): stream one group's served copy from ``peer``,
-    showing our member ``token`` (b"" without a swarm key). A copy larger than ``max_bytes`` is cut off and
-    gives None (a holder must not be able to fill our memory).
-    Tensors arrive in hivemind's own serialisation and metadata in msgpack: nothing is unpickled. With
-    ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the copy only if
-    ``accept`` takes it; the copy's own metadata is checked again (it may have changed meanwhile). After
-    refused metadata, with ``hold_s``, the copy is asked for held: the holder sends it once it serves
-    anything new (up to ``hold_s``), or its metadata alone.
+    """Stream one group's served copy from ``peer``, showing our member ``token`` (b"" without a swarm
+    key). A copy larger than ``max_bytes`` is cut off and gives None (a holder must not be able to fill our
+    memory). With ``accept``, the metadata is asked first (``rpc_served_metadata``, a few bytes) and the
+    copy only if ``accept`` takes it; the copy's own metadata is checked again (it may have changed
+    meanwhile). After refused metadata, with ``hold_s``, the copy is asked for held: the holder sends it
+    once it serves anything new (up to ``hold_s``), or its metadata alone.
     Gives (metadata, tensors, seconds held before the metadata was accepted), or None."""
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.p2p import PeerID

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -61,25 +62,22 @@ class RoundDownloads:
         ``stopped``: whether a holder has stopped training (``stopped_training``). ``patience_end``
         (monotonic): how long a holder behind us is waited for at most (``ExpertDownloads.fetch``)."""
         self = cls(downloads, deadline)
+        fetch = partial(
+            downloads.fetch, holders, mine, step, False, deadline, held, lagged, stopped, patience_end
+        )
         # on the round's stream: the copies of ours it reads are on the GPU of a GPU peer (``on_this_stream``)
         self._thread = threading.Thread(
-            target=on_this_stream(self._run), args=(holders, mine, step, held, after, lagged, stopped, patience_end),
-            name="swarm-round-downloads", daemon=True,
-        )  # fmt: skip
+            target=on_this_stream(self._run), args=(fetch, after), name="swarm-round-downloads", daemon=True
+        )
         self._thread.start()
         return self
 
-    def _run(
-        self, holders, mine, step: int, held, after: Gate | None, lagged: threading.Event | None, stopped,
-        patience_end: float | None,
-    ) -> None:  # fmt: skip
+    def _run(self, fetch: Callable[[], tuple], after: Gate | None) -> None:
         try:
             if after is not None:
                 after.wait()
             self.began_at = time.monotonic()
-            self._result = self.downloads.fetch(
-                holders, mine, step, False, self.deadline, held, lagged, stopped, patience_end
-            )
+            self._result = fetch()
             self.steps, self.waited_s = dict(self.downloads.steps), self.downloads.waited_s
             self.ended_at = time.monotonic()
         except Exception as e:  # reported by wait(): a download must not end the round's thread

@@ -14,7 +14,8 @@ closed socket as a clean end of stream. So a handler that returns right after it
 the last messages: with plain hivemind P2P on 127.0.0.1, 15 of 65 fresh pairs of daemons lost a whole
 three-message reply in at least one of 10 calls (none in 250 calls with these two). In a round that was a
 reducer's last averaged parts ("peer X sent 27 parts, but we expected 32": a partial all-reduce) or a
-leader's begin message (a member counted in a group it never heard of). A handler whose caller closes first never resets under a reply in flight.
+leader's begin message (a member counted in a group it never heard of). A handler whose caller closes first
+never resets under a reply in flight.
 """
 
 from __future__ import annotations
