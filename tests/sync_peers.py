@@ -36,7 +36,7 @@ def peer(net: LocalNetwork, me: str, experts: list[int], seed: int, sync: SyncCo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
-    timing = Timing.from_config(SYNC)
+    timing = Timing.from_config(sync)
     members = Membership(net.store(me), me, "t", timing, experts, MODEL.n_experts, SYNC.orphan_grace_s)
     return model, SwarmSync(cfg, net.store(me), net.transport(me), model, members)
 

@@ -96,3 +96,22 @@ def test_a_joiner_meets_its_first_rounds_groups_before_the_slot_as_a_swarm_that_
     first = next(rec for rec in out["b"] if rec.started)
     assert int(first.started_at // 2.0) == int(slot // 2.0), first.started_at - slot
     assert first.met_early == ["dense"] and first.clean and first.dense_group == 2, out["b"]
+
+
+def test_a_swarms_first_round_reads_the_swarm_anew_so_peers_that_started_since_the_last_heartbeat_count():
+    """A view is read once a heartbeat period (5 s by default). In a demo, peers started seconds apart
+    reached the first slot with views of one, two and four peers: one rounded alone, two as a pair that one
+    of them dropped (the robust rule, with three in its view) and the other applied. Here views are read
+    every 10 s, and the peers are made within a second of their first round."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.0, heartbeat_s=10.0)
+    net = LocalNetwork(matchmaking_s=1.0)
+    slot = (time.time() // 2.0 + 1) * 2.0
+    slot += 2.0 if slot - time.time() < 1.5 else 0.0
+    time.sleep(max(0.0, slot - 1.2 - time.time()))
+    peers = {me: peer(net, me, [i], seed=i, sync=sync) for i, me in enumerate("abc")}
+    assert len(peers["a"][1].members.view.peers) < 3  # a's heartbeat thread read the swarm before b and c
+    out = run(peers, 15, {me: 0.1 for me in peers}, {me: slot - 0.4 for me in peers})
+    for me in peers:
+        first = next(rec for rec in out[me] if rec.started)
+        assert int(first.started_at // 2.0) == int(slot // 2.0), (me, first.started_at - slot)
+        assert first.clean and first.dense_group == 3, (me, out[me])

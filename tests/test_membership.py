@@ -147,3 +147,46 @@ def test_a_peer_that_stopped_publishing_is_silent_and_a_live_one_is_not(stores):
     finally:
         a.close()
         b.close()
+
+
+class _Slow:
+    """A peer's store whose reads take ``seconds`` while set (past a read's timeout: no answer)."""
+
+    def __init__(self, store):
+        self.store, self.seconds = store, 0.0
+
+    def get_subkeys(self, key, timeout=10.0):
+        time.sleep(min(self.seconds, timeout))
+        return None if self.seconds > timeout else self.store.get_subkeys(key, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_refresh_with_a_timeout_returns_within_it_while_reads_are_slow_and_otherwise_reads_anew(stores):
+    """The training thread reads the swarm before its first round (``SwarmSync.start_round``): a slow DHT,
+    or the heartbeat thread's read under way, holds it up for the timeout at most."""
+    (store_a, me_a), (store_b, me_b) = stores
+    slow = _Slow(store_a)
+    a = Membership(slow, me_a, "m5", Timing.from_config(SyncConfig(heartbeat_s=30.0)), [0], 2, 60.0)
+    b = None
+    try:
+        assert _wait(lambda: me_a in a.view.peers, 10)  # the heartbeat thread's first read; the next in 30 s
+        b = Membership(store_b, me_b, "m5", TIMING, [1], 2, orphan_grace_s=60.0)
+        slow.seconds = 3.0
+        threading.Thread(target=a.refresh, daemon=True).start()  # a read under way: it holds the lock 3 s
+        time.sleep(0.2)
+        started = time.monotonic()
+        a.refresh(timeout=0.4)  # waits for the lock
+        assert time.monotonic() - started < 0.8 and me_b not in a.view.peers
+        assert _wait(lambda: me_b in a.view.peers, 5)  # the read under way ends, and sees b
+        read_at, started = a.view.read_at, time.monotonic()
+        a.refresh(timeout=0.4)  # its own read does not answer in time: the view stays
+        assert time.monotonic() - started < 0.8 and a.view.read_at == read_at
+        slow.seconds = 0.0
+        a.refresh(timeout=0.4)
+        assert a.view.read_at > read_at
+    finally:
+        a.close()
+        if b is not None:
+            b.close()

@@ -102,12 +102,21 @@ class Membership:
         self._thread.start()
 
     # -- reading the swarm ---------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        with self._refresh_lock:  # the heartbeat thread and the training thread (leaving) both refresh
-            self._refresh()
+    def refresh(self, timeout: float | None = None) -> None:
+        """Reads every heartbeat now, within ``timeout`` (default: the heartbeat period), lock included; the
+        view stays as it was if the read fails or another thread's read holds the lock that long."""
+        timeout = self.timing.heartbeat_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        # the heartbeat thread and the training thread (a first round, leaving) both refresh
+        if not self._refresh_lock.acquire(timeout=timeout):
+            return
+        try:
+            self._refresh(max(0.0, deadline - time.monotonic()))
+        finally:
+            self._refresh_lock.release()
 
-    def _refresh(self) -> None:
-        records = read_records(self.store, self.run_id, timeout=self.timing.heartbeat_s)
+    def _refresh(self, timeout: float) -> None:
+        records = read_records(self.store, self.run_id, timeout=timeout)
         if records is None or self.me not in records:  # no answer (or our record is not out yet)
             return
         # a read can miss a live peer's subkey (the DHT node that answered has an older copy), and a loaded
