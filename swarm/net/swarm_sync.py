@@ -228,10 +228,11 @@ class SwarmSync:
         step; used unless this is a last round, another round or slot began since, or the groups' layout
         changed."""
         self.round_index += 1
-        if self.round_index == 1 and time.monotonic() - self.members.view.read_at > FRESH_VIEW_S:
+        stale = time.monotonic() - self.members.view.read_at > FRESH_VIEW_S
+        if self.round_index == 1 and early is None and stale:
             # the heartbeat thread reads the swarm once a period (5 s): in a demo, peers that had started
             # since reached the first slot with views of one, two and four peers, and rounded alone or in
-            # pairs. Later rounds have the views of rounds past (and met early, they cannot read at the slot)
+            # pairs. Later rounds (and a joiner's first, met early) find groups met in rounds past
             self.members.refresh(timeout=self.timing.matchmaking_s / 2)
         local = list(model.local_experts)
         specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
