@@ -88,12 +88,16 @@ class Swarm:
         return RoundPlan(index, step, self.dense[me], {e: self.copies[me][e] for e in local}, frozen, w,
                          groups, sole, None, last, refresh=refresh, copy_steps=copy_steps or {})  # fmt: skip
 
-    def round(self, plans: dict[str, RoundPlan], apart_s: float = 0.0):
-        """Each peer's round on a thread of its own, begun ``apart_s`` after the one before."""
-        results, threads = {}, []
+    def round(self, plans: dict[str, RoundPlan], apart_s: float = 0.0, views: dict | None = None):
+        """Each peer's round on a thread of its own, begun ``apart_s`` after the one before; with the
+        swarm's ``view``, or a view of its own in ``views``."""
+        results, threads, views = {}, [], views or {}
+
+        def run(me: str, plan: RoundPlan) -> None:
+            results[me] = run_round(plan, self.ctx[me], views.get(me, self.view))
+
         for me, plan in plans.items():
-            run = lambda me=me, plan=plan: results.__setitem__(me, run_round(plan, self.ctx[me], self.view))  # noqa: E731
-            threads.append(threading.Thread(target=run))
+            threads.append(threading.Thread(target=run, args=(me, plan)))
         for i, t in enumerate(threads):
             if i and apart_s:
                 time.sleep(apart_s)

@@ -9,6 +9,8 @@ import torch
 
 from swarm.config import SyncConfig
 from swarm.net.local_transport import Fault
+from swarm.net.membership import MembershipView
+from swarm.net.round_info import ROBUST_PAIR
 from swarm.net.round_payload import Payloads
 from tests.local_swarm import TIMING, Swarm
 
@@ -284,3 +286,24 @@ def test_members_whose_side_of_the_all_reduce_failed_say_so_and_nobody_waits_for
         assert rec.check_seconds["await"] < timing.quorum_grace_s / 3, (p, rec.check_seconds)
     for p in failed:
         assert any("dense: partial all-reduce" in r for r in results[p].record.rejected), results[p].record
+
+
+@pytest.mark.parametrize("b_sees_c", [True, False])
+def test_a_dense_pair_is_dropped_by_both_members_when_either_sees_a_third_peer(b_sees_c):
+    """Under the robust rule two members cannot out-vote a rogue, so a dense pair is dropped while three or
+    more peers are in view. Both judge by both views: in a demo's first round, a pair's members saw four
+    peers and two, and one dropped the round while the other applied it. a sees c here (which takes no part
+    in the round); b sees c or not. With nobody seeing a third peer, the pair is applied."""
+    peers = {"a": [0, 1], "b": [2, 3], "c": []}
+    swarm = Swarm(peers)
+    two = MembershipView({p: hb for p, hb in swarm.view.peers.items() if p != "c"}, swarm.view.holders, {})
+    for a_sees_c in (True, False):
+        views = {"a": swarm.view if a_sees_c else two, "b": swarm.view if b_sees_c else two}
+        results = swarm.round({p: swarm.plan(p) for p in "ab"}, views=views)
+        for p in "ab":
+            rec = results[p].record
+            assert rec.dense_group == 2, rec
+            if a_sees_c or b_sees_c:
+                assert results[p].dense is None and rec.rejected == [f"dense: {ROBUST_PAIR}"], (p, rec)
+            else:
+                assert results[p].dense is not None and rec.rejected == [], (p, rec)

@@ -3,17 +3,18 @@
 from swarm.net.round_info import MAX_HELD, RoundInfo, common_reference, reference_moves
 
 
-def _info(reference: str = "r1", quorum: int = 4, held: int = 0) -> RoundInfo:
-    return RoundInfo(10, 2, False, (1.0,), reference, "mean", "direct", quorum, held)
+def _info(reference: str = "r1", quorum: int = 4, held: int = 0, in_view: int = 0) -> RoundInfo:
+    return RoundInfo(10, 2, False, (1.0,), reference, "mean", "direct", quorum, held, in_view=in_view)
 
 
 def test_an_info_survives_the_wire_and_implausible_counts_are_refused():
-    info = _info(quorum=3, held=2)
+    info = _info(quorum=3, held=2, in_view=4)
     assert RoundInfo.from_msg(info.to_msg(), 1) == info
-    older = {k: v for k, v in info.to_msg().items() if k not in ("quorum", "held", "codec")}  # a peer before
+    before = ("quorum", "held", "codec", "in_view")
+    older = {k: v for k, v in info.to_msg().items() if k not in before}  # a peer from before these fields
     assert RoundInfo.from_msg(older, 1) == _info(quorum=0, held=0)
     for bad in (-1, 1.5, True, "3", None, 1 << 30):
-        for key in ("quorum", "held"):
+        for key in ("quorum", "held", "in_view"):
             assert RoundInfo.from_msg(info.to_msg() | {key: bad}, 1) is None, (key, bad)
     named = RoundInfo(10, 2, False, (1.0,), "r1", "mean", "direct", 4, 0, "int4")
     assert RoundInfo.from_msg(named.to_msg(), 1) == named

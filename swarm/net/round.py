@@ -53,8 +53,6 @@ from swarm.net.timing import MIN_LOOK_S, Timing
 from swarm.net.transport import DigestExchange, Group, GroupOutcome, GroupTransport, Store
 from swarm.train.round_record import RoundRecord
 
-ROBUST_PAIR = "a pair while three or more peers are in view: no majority to bound a rogue member"
-
 
 @dataclass(frozen=True)
 class RoundPlan:
@@ -256,8 +254,6 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
         size, why, published = check_outcome(
             spec, outcome, plan.last, ctx, local, payload, deadline, rec.check_seconds
         )
-        if not why and _unbounded_pair(spec, size, ctx, view):
-            why, published = ROBUST_PAIR, None
         checked.append((spec, group, payload, outcome, size, why, published))
     sent, phases = 0, Phases(rec, t0)
     formed = [c[3].formed_at for c in checked if c[3].formed_at is not None]
@@ -345,20 +341,6 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec.host_bytes = nbytes(held) + nbytes(t for ts in got.values() for t in ts)
     rec.sync_seconds = round(time.monotonic() - t0, 3)
     return result
-
-
-def _unbounded_pair(spec: GroupSpec, size: int, ctx: RoundContext, view: MembershipView) -> bool:
-    """A dense group of two under a robust rule while three or more peers are in view: the rule cannot tell
-    which of two members is the rogue (each is the other's whole majority), so a rogue that paired with us
-    would move our weights as the plain mean lets it; the round is dropped instead (an attack run had the
-    honest peers' loss at 9.45 against 5.0 when groups split into pairs). Expert groups of two holders
-    (r = 2) have no third member to ask: they are kept, with the checks every result passes."""
-    return (
-        not weighted(ctx)
-        and spec.items == (DENSE,)
-        and size == 2
-        and expected_members(spec, view, ctx.me) >= 3
-    )
 
 
 def _label(spec: GroupSpec) -> str:

@@ -27,6 +27,7 @@ MAX_COUNT = 1 << 20  # a member's quorum or held rounds: anything larger is impl
 MAX_HELD = 3
 DIGEST_EXCHANGES = ("direct", "dht")
 REFERENCES_DIFFER = "members' deltas were against different references"
+ROBUST_PAIR = "a pair while a member sees three or more peers: no majority to bound a rogue member"
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class RoundInfo:
     held: int = 0  # rounds we applied since our reference last moved on
     # how our group's tensors travel (``sync.codec``, ``sync.dense_codec``): every member's must match
     codec: str = ""
+    # how many members our view expects in an ordinary dense group (ourselves included): a pair is dropped
+    # under a robust rule if any member expects three or more (``unbounded_pair``), by all its members alike
+    in_view: int = 0
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -57,6 +61,7 @@ class RoundInfo:
             "quorum": self.quorum,
             "held": self.held,
             "codec": self.codec,
+            "in_view": self.in_view,
         }
 
     @classmethod
@@ -70,10 +75,12 @@ class RoundInfo:
         codec = value.get("codec", "")  # "": a peer from before codecs were named (it fits no group now)
         if rule not in AGGREGATIONS or digests not in DIGEST_EXCHANGES or codec not in ("", *CODECS):
             return None  # also anything unhashable
-        quorum, held = value.get("quorum", 0), value.get("held", 0)  # 0: a peer from before these fields
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index, quorum, held)):
+        # 0: a peer from before these fields
+        quorum, held, in_view = value.get("quorum", 0), value.get("held", 0), value.get("in_view", 0)
+        counts = (quorum, held, in_view)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index, *counts)):
             return None
-        if not (0 <= quorum <= MAX_COUNT and 0 <= held <= MAX_COUNT):
+        if not all(0 <= v <= MAX_COUNT for v in counts):
             return None
         if not isinstance(reference, str) or len(reference) > MAX_REFERENCE:
             return None
@@ -82,9 +89,8 @@ class RoundInfo:
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= MAX_WEIGHT:
                 return None  # also NaN and inf
-        return cls(
-            step, index, last, tuple(float(w) for w in weights), reference, rule, digests, quorum, held, codec
-        )
+        ws = tuple(float(w) for w in weights)
+        return cls(step, index, last, ws, reference, rule, digests, quorum, held, codec, in_view)
 
 
 def common_reference(infos: Sequence[RoundInfo]) -> str:
