@@ -4,10 +4,10 @@ replicas agree after the last round, and bytes per round measured against the de
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from swarm.sync.codecs import CODECS, Codec
+from swarm.sync.round_traffic import ModelBytes, RoundTraffic
 from swarm.train.round_record import RoundRecord
 
 
@@ -68,19 +68,16 @@ def summarize(
         "holders": holders,
         "replicas": replica_spread(run_dirs, [p["experts"] for p in peers]),
         "predicted_bytes_per_round": predicted_bytes(
-            run_dirs, holders, [p["experts"] for p in peers], codec, dense_codec or codec
+            run_dirs, [p["experts"] for p in peers], codec, dense_codec or codec
         ),
     }
 
 
 def predicted_bytes(
-    run_dirs: list[Path], holders: dict[int, int], experts: list[list[int]], codec: Codec, dense_codec: Codec
+    run_dirs: list[Path], experts: list[list[int]], codec: Codec, dense_codec: Codec
 ) -> int | None:
-    """What the design predicts a peer moves per round (sent + received, mean over peers): the dense
-    all-reduce (butterfly: 2(n-1)/n of the dense bytes sent and as much received); each own expert's
-    all-reduce among its h holders, 4(h-1)/h of its bytes; and non-local downloads (fp16 copies with a
-    lossless codec, encoded changes with a lossy one), counted once by the peer that receives and once by
-    the one that serves. Each tensor at its codec's size on the wire (``Codec.wire_bytes``)."""
+    """What the design predicts a peer moves per round (``swarm.sync.round_traffic``), for the tensors of
+    the first peer's last checkpoint and the experts each peer trained."""
     from safetensors import safe_open
 
     from swarm.train.checkpoint import latest_checkpoint
@@ -88,21 +85,11 @@ def predicted_bytes(
     path = latest_checkpoint(run_dirs[0] / "checkpoints")
     if path is None:
         return None
-    copy_bytes = (lambda numel: 2 * numel) if codec.lossless else codec.wire_bytes
-    dense = expert = copy = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for key in f.keys():
-            shape = f.get_slice(key).get_shape()
-            numel = math.prod(shape)
-            if ".experts." in key:
-                expert += codec.wire_bytes(numel // shape[0])
-                copy += copy_bytes(numel // shape[0])
-            else:
-                dense += dense_codec.wire_bytes(numel)
-    n = len(run_dirs)
-    own = sum(h * 4 * (h - 1) / h * expert for h in holders.values() if h > 0) / n
-    downloads = 2 * sum((len(holders) - len(ex)) * copy for ex in experts) / n
-    return int(4 * (n - 1) / n * dense + own + downloads)
+        shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    sizes = ModelBytes.of(shapes, codec, dense_codec)
+    n_experts = next(shape[0] for key, shape in shapes.items() if ".experts." in key)
+    return RoundTraffic.of(sizes, experts, n_experts).per_peer
 
 
 def replica_spread(run_dirs: list[Path], experts: list[list[int]]) -> dict:
