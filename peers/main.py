@@ -124,6 +124,7 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
     from swarm.net.joining import claim_experts, open_swarm_sync
     from swarm.net.records import check_or_publish_fingerprint
     from swarm.net.timing import Timing
+    from swarm.sync.round_traffic import slow_link_advice
 
     # the same peer id after a restart (its records, its place in groups): the run dir keeps it by default
     identity = args.identity
@@ -171,6 +172,9 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         file=sys.stderr,
         flush=True,
     )
+    advice = slow_link_advice(cfg)
+    if advice:  # a preset or override sized for fast links: say so before rounds time out one by one
+        print(f"warning: {advice}", file=sys.stderr, flush=True)
     last_round_at = None if args.stop_at is None else args.stop_at + 2 * cfg.sync.matchmaking_s + 5
     trainer.sync = open_swarm_sync(cfg, dht, trainer.model, last_round_at, caught_up)
     return dht
