@@ -108,8 +108,12 @@ def slow_link_advice(cfg: RunConfig, mbit: float = REFERENCE_MBIT) -> str | None
         short.append(f"sync.sync_every_s={sc.sync_every_s:g}")
     if not short:
         return None
+    size = (
+        f"{traffic.per_peer / 1e9:.2f} GB" if traffic.per_peer >= 1e9 else f"{traffic.per_peer / 1e6:.1f} MB"
+    )
+    step = 10 if need >= 10 else 1
     return (
-        f"a round moves about {traffic.per_peer / 1e9:.2f} GB per peer ({traffic.peers} peers), "
-        f"{need:.0f} s or more at {mbit:g} Mbit/s: {' and '.join(short)} would cut rounds short on such "
-        f"links; raise it to about {math.ceil(need / 10) * 10} s or more"
+        f"a round moves about {size} per peer ({traffic.peers} peers), {need:.1f} s or more at {mbit:g} "
+        f"Mbit/s: {' and '.join(short)} would cut rounds short on such links; raise "
+        f"{'it' if len(short) == 1 else 'them'} to {math.ceil(need / step) * step} s or more"
     )
