@@ -105,11 +105,19 @@ def test_a_swarms_first_round_reads_the_swarm_anew_so_peers_that_started_since_t
     every 10 s, and the peers are made within a second of their first round."""
     sync = dataclasses.replace(SYNC, sync_every_s=2.0, matchmaking_s=1.0, heartbeat_s=10.0)
     net = LocalNetwork(matchmaking_s=1.0)
-    slot = (time.time() // 2.0 + 1) * 2.0
-    slot += 2.0 if slot - time.time() < 1.5 else 0.0
-    time.sleep(max(0.0, slot - 1.2 - time.time()))
-    peers = {me: peer(net, me, [i], seed=i, sync=sync) for i, me in enumerate("abc")}
-    assert len(peers["a"][1].members.view.peers) < 3  # a's heartbeat thread read the swarm before b and c
+    slot = (time.time() // 2.0 + 2) * 2.0
+    slot += 2.0 if slot - time.time() < 3.0 else 0.0
+    time.sleep(max(0.0, slot - 2.5 - time.time()))
+    peers = {}
+    for i, me in enumerate(
+        "abc"
+    ):  # each made once the one before has read the swarm (its next read: in 10 s)
+        peers[me] = peer(net, me, [i], seed=i, sync=sync)
+        deadline = time.monotonic() + 5.0
+        while me not in peers[me][1].members.view.peers and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [sorted(peers[me][1].members.view.peers) for me in "abc"] == [["a"], ["a", "b"], ["a", "b", "c"]]
+    assert time.time() < slot - 0.5, slot - time.time()
     out = run(peers, 15, {me: 0.1 for me in peers}, {me: slot - 0.4 for me in peers})
     for me in peers:
         first = next(rec for rec in out[me] if rec.started)
