@@ -1,4 +1,4 @@
-"""``round_traffic``: a round's bytes per peer from the config, and whether the presets fit a 100 Mbit/s link."""
+"""``round_traffic``: a round's bytes per peer from the config, and whether the presets fit 100 Mbit/s."""
 
 import dataclasses
 from pathlib import Path
