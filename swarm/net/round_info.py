@@ -45,8 +45,8 @@ class RoundInfo:
     held: int = 0  # rounds we applied since our reference last moved on
     # how our group's tensors travel (``sync.codec``, ``sync.dense_codec``): every member's must match
     codec: str = ""
-    # how many members our view expects in an ordinary dense group (ourselves included): a pair is dropped
-    # under a robust rule if any member expects three or more (``unbounded_pair``), by all its members alike
+    # how many members our view expects in the group (``expected_members``, ourselves included): a dense pair
+    # is dropped under a robust rule if any member expects three or more (``unbounded_pair``), by all alike
     in_view: int = 0
 
     def to_msg(self) -> dict[str, Any]:

@@ -228,8 +228,8 @@ class SwarmSync:
         step; used unless this is a last round, another round or slot began since, or the groups' layout
         changed."""
         self.round_index += 1
-        stale = time.monotonic() - self.members.view.read_at > FRESH_VIEW_S
-        if self.round_index == 1 and early is None and stale:
+        first = self.round_index == 1 and early is None
+        if first and time.monotonic() - self.members.view.read_at > FRESH_VIEW_S:
             # the heartbeat thread reads the swarm once a period (5 s): in a demo, peers that had started
             # since reached the first slot with views of one, two and four peers, and rounded alone or in
             # pairs. Later rounds (and a joiner's first, met early) find groups met in rounds past
