@@ -11,7 +11,7 @@ from swarm.net.expert_tensors import dense_tensors
 from swarm.net.local_transport import LocalNetwork
 from swarm.net.timing import Timing
 from swarm.train.sync_hook import StepReport
-from tests.sync_peers import MODEL, SYNC, peer, run
+from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,6 +67,46 @@ def test_an_ordinary_round_near_a_shared_stop_looks_no_longer_than_a_partner_cou
         # it gave up a matchmaking time after the cutoff (+0.3 s), not 3.3 s after it began (t0 + 4.1)
         gave_up = ended - cutoff
         assert sync.matchmaking_s - 0.1 <= gave_up < sync.matchmaking_s + 1.0, (gave_up, rec)
+    finally:
+        for _, s in peers.values():
+            s.close()
+
+
+def test_peers_whose_steps_straddle_the_last_ordinary_start_all_take_that_slots_round_met_early():
+    """Whether a wall-clock round is too close to the shared stop is judged by its slot's start, the same on
+    every peer, not by when each peer's step comes: in a demo, the one peer whose step came 0.1 s before
+    ``last_ordinary_start`` went on with the groups met early while the three others left them, and its
+    partial all-reduce took 45 s and its last round. Here that moment falls 0.15 s into a slot, between
+    a's step (0.05 s in) and b's (0.3 s in)."""
+    sync = dataclasses.replace(SYNC, sync_every_s=2.0, prematch_s=0.5)
+    timing = Timing.from_config(sync)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+
+    def step(me: str, n: int) -> list:
+        model, s = peers[me]
+        return s.after_step(model, StepReport(n, 64 * n, 64, tokens, 1.0, steps_left=100)).records
+
+    try:
+        slot = (time.time() // 2.0 + 2) * 2.0
+        slot += 2.0 if slot - time.time() < 2.5 else 0.0
+        for _, s in peers.values():
+            s.last_round_at = slot + 0.15 + (slot + 10.0 - timing.last_ordinary_start(slot + 10.0))
+        assert timing.last_ordinary_start(peers["a"][1].last_round_at) == pytest.approx(slot + 0.15)
+        time.sleep(slot - time.time() - 2.3)
+        step("a", 1), step("b", 1)  # two slots before: only seen
+        time.sleep(slot - time.time() - 2.0 + 0.05)
+        step("a", 2), step("b", 2)  # the first round meets at its slot
+        finished_rounds(peers)
+        time.sleep(slot - time.time() - 0.3)
+        step("a", 3), step("b", 3)  # both meet the next slot's groups
+        time.sleep(slot - time.time() + 0.05)
+        assert step("a", 4) == []
+        time.sleep(slot - time.time() + 0.3)
+        assert step("b", 4) == []  # past the moment, but its slot began before it: it goes on, as a does
+        for me, rec in finished_rounds(peers).items():
+            assert rec.met_early == ["dense"] and rec.clean and rec.dense_group == 2, (me, rec)
     finally:
         for _, s in peers.values():
             s.close()

@@ -142,7 +142,7 @@ class SwarmSync:
         if (
             time.time() < at - self.sc.prematch_window_s
             or self.round_running()
-            or self._near_last_round(report)
+            or self._near_last_round(report, slot=slot)
         ):
             return
         specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
@@ -179,18 +179,23 @@ class SwarmSync:
         view, prematch = self.members.view, self.sc.prematch_window_s > 0
         return time.time() - began < window and first_step_joins(view, self.ctx.me, began, prematch)
 
-    def _near_last_round(self, report: StepReport, met_early: bool = False) -> bool:
+    def _near_last_round(self, report: StepReport, met_early: bool = False, slot: int | None = None) -> bool:
         """Whether an ordinary round started now could still be matchmaking when the last round's window
-        opens (it would meet the last round's steps, and that mixed group is dropped by all). With rounds
-        on the wall clock, also within ``sync_every`` steps of the step limit (others may be in their last
-        round by then; by steps, the limit is a sync point itself), unless the round's groups ``met_early``
-        while it was further: its members count on its all-reduce (on H100 peers, one that gave up at the
-        slot left the member that went on with a partial all-reduce after 11 s)."""
+        opens (it would meet the last round's steps, and that mixed group is dropped by all). A wall-clock
+        round is judged by its ``slot``'s start (default: the current slot), the same on every peer: by the
+        time of each peer's step, in a demo, the one whose step came 0.1 s before the cutoff went on with
+        the groups met early while the three others left them, and its partial all-reduce took 45 s and
+        its last round. With rounds on the wall clock, also within ``sync_every`` steps of the step limit
+        (others may be in their last round by then; by steps, the limit is a sync point itself), unless the
+        round's groups ``met_early`` while it was further: its members count on its all-reduce (on H100
+        peers, one that gave up at the slot left the member that went on with a partial all-reduce)."""
         t, at, left = self.timing, self.last_round_at, report.steps_left
         by_steps = self.sc.sync_every_s > 0 and not met_early
         if by_steps and left is not None and left < self.sc.sync_every:
             return True
-        return at is not None and time.time() >= t.last_ordinary_start(at)
+        slot = self._slot if slot is None else slot
+        start = time.time() if self.sc.sync_every_s <= 0 or slot is None else slot * self.sc.sync_every_s
+        return at is not None and start >= t.last_ordinary_start(at)
 
     def experts_changed(self, model: MoETransformer) -> None:
         """The trainer switched experts: serve the new ones, forget the old ones' momentum, tell the swarm.
