@@ -24,7 +24,9 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
     every_step     (only when asked for) the ceiling of parameter averaging: the peers' batches and AdamW in
                    one process, every expert trained by every peer, weights averaged after every step
                    (``--average-every N``: every N steps, still synchronously, as a swarm that waited;
-                   ``--average-codec int8``: through that codec, with error feedback, as ``sync.codec``)
+                   ``--average-codec int8``: through that codec, with error feedback, as ``sync.codec``;
+                   ``--average-outer 0.7,0.9``: through the swarm's outer optimizer, as ``sync.sync_alpha``
+                   and ``sync.outer_momentum``)
     every_step_spes  (only when asked for) the same with each peer training only its own
                    ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the every_step rows' averages travel (coded_average)")  # fmt: skip
     ap.add_argument("--average-dense-codec", default="", choices=("", *CODECS),
                     help="the dense weights' codec there (default: --average-codec)")  # fmt: skip
+    ap.add_argument("--average-outer", type=_alpha_momentum, default=(1.0, 0.0), metavar="ALPHA,MOMENTUM",
+                    help="the every_step rows' outer step (outer_average; default 1,0: plain)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     res = run_every_step(cfg, steps, args.peers, max(1, steps // 8), args.average_every,
                                          own_experts=name == "every_step_spes", device=args.device,
                                          codec=args.average_codec,
-                                         dense_codec=args.average_dense_codec)  # fmt: skip
+                                         dense_codec=args.average_dense_codec,
+                                         outer=args.average_outer)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})
@@ -170,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             _save(runs, summaries, Path(args.out), args, steps)
     return 0
+
+
+def _alpha_momentum(text: str) -> tuple[float, float]:
+    """``ALPHA,MOMENTUM`` as ``sync.sync_alpha`` and ``sync.outer_momentum`` accept them."""
+    try:
+        alpha, momentum = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ALPHA,MOMENTUM, like 1,0.5") from None
+    if not 0 < alpha <= 3 or not 0 <= momentum < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: alpha must be in (0, 3] and momentum in [0, 1)")
+    return alpha, momentum
 
 
 def parse_row_sets(items: list[str]) -> dict[str, list[str]]:

@@ -156,7 +156,8 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
-                   device: str = "cpu", codec: str = "fp32", dense_codec: str = "") -> RunResult:  # fmt: skip
+                   device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
+                   outer: tuple[float, float] = (1.0, 0.0)) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -164,8 +165,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     own ``experts.per_peer`` of them, as a swarm peer does (the others are frozen copies, taken from their
     trainers at every averaging); an expert is the mean of the replicas that trained it. A lossy ``codec``
     (``sync.codec``'s names) averages through it (``coded_average``), the dense weights through
-    ``dense_codec`` if given."""
+    ``dense_codec`` if given. ``outer`` (alpha, momentum) applies each average through the swarm's outer
+    optimizer (``outer_average``), as ``sync.sync_alpha`` and ``sync.outer_momentum`` do."""
     from coded_average import CodedAverage
+    from outer_average import OuterAverage
 
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
@@ -185,9 +188,13 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
     experts, dense = codec_named(codec), codec_named(dense_codec or codec)
-    coded = (
+    averaging = (
         None if experts.lossless and dense.lossless else CodedAverage(experts, models, owned, n_exp, dense)
     )
+    if outer != (1.0, 0.0):
+        if averaging:
+            raise ValueError("an outer optimizer with a lossy codec is not modelled here")
+        averaging = OuterAverage(models, owned, n_exp, *outer)
 
     def evaluate() -> float:
         return heldout_loss(
@@ -205,12 +212,15 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == steps:
-            coded(models) if coded else average_replicas(models, owned, n_exp)
+            averaging(models) if averaging else average_replicas(models, owned, n_exp)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
-    name += "" if coded is None else f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
+    if outer != (1.0, 0.0):
+        name += f"_outer_{outer[0]:g}_{outer[1]:g}"
+    elif averaging is not None:
+        name += f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 

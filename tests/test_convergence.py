@@ -152,3 +152,53 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         assert torch.equal(value[0], before[0][name][0]) and torch.equal(value[3], before[2][name][3])
         assert torch.allclose(value[1], (before[0][name][1] + before[1][name][1]) / 2, atol=1e-7)
         assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
+
+
+def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
+    """The every_step rows' outer step (``--average-outer``): alpha 1 without momentum is plain averaging;
+    a first round at alpha 0.5 moves each replica's dense weights half-way to the mean, an expert with one
+    trainer does not move (its mean is itself), and a copy of an expert is its trainer's."""
+    import torch
+
+    from benchmarks.convergence_runs import average_replicas
+    from benchmarks.outer_average import OuterAverage
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1], [1, 2], [3]]
+
+    def replicas():
+        out = []
+        for i, own in enumerate(owned):
+            m = MoETransformer(mcfg, own)
+            m.init_weights(seed=i)
+            out.append(m)
+        return out
+
+    plain, outer = replicas(), replicas()
+    before = [m.canonical_state_dict() for m in plain]
+    average_replicas(plain, owned, mcfg.n_experts)
+    OuterAverage(outer, owned, mcfg.n_experts, alpha=1.0, momentum=0.0)(outer)
+    for p, o in zip(plain, outer, strict=True):
+        for name, value in p.canonical_state_dict().items():
+            assert torch.allclose(value, o.canonical_state_dict()[name], atol=1e-6), name
+
+    half = replicas()
+    OuterAverage(half, owned, mcfg.n_experts, alpha=0.5, momentum=0.9)(half)
+    after = [m.canonical_state_dict() for m in half]
+    for name in after[0]:
+        if ".experts." not in name:
+            mean = sum(b[name] for b in before) / 3
+            for b, a in zip(before, after, strict=True):  # momentum's first step: g + 0.9 g
+                assert torch.allclose(a[name], b[name] + 0.5 * 1.9 * (mean - b[name]), atol=1e-5), name
+            continue
+        for a in after:
+            assert torch.equal(a[name][0], before[0][name][0]) and torch.equal(a[name][3], before[2][name][3])
+            assert torch.equal(a[name][2], before[1][name][2])
+        both = (before[0][name][1] + before[1][name][1]) / 2  # expert 1: two trainers
+        assert torch.allclose(
+            after[1][name][1], before[1][name][1] + 0.95 * (both - before[1][name][1]), atol=1e-5
+        )
+        assert torch.equal(after[2][name][1], after[0][name][1])  # a copy: the first trainer's
