@@ -26,7 +26,8 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
                    (``--average-every N``: every N steps, still synchronously, as a swarm that waited;
                    ``--average-codec int8``: through that codec, with error feedback, as ``sync.codec``;
                    ``--average-outer 0.7,0.9``: through the swarm's outer optimizer, as ``sync.sync_alpha``
-                   and ``sync.outer_momentum``)
+                   and ``sync.outer_momentum``; ``--average-merge``: with the merge warm-up, as
+                   ``sync.merge_*`` sets it)
     every_step_spes  (only when asked for) the same with each peer training only its own
                    ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the dense weights' codec there (default: --average-codec)")  # fmt: skip
     ap.add_argument("--average-outer", type=_alpha_momentum, default=(1.0, 0.0), metavar="ALPHA,MOMENTUM",
                     help="the every_step rows' outer step (outer_average; default 1,0: plain)")  # fmt: skip
+    ap.add_argument("--average-merge", action="store_true",
+                    help="the every_step rows merge as the swarm's warm-up does (sync.merge_*)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                          own_experts=name == "every_step_spes", device=args.device,
                                          codec=args.average_codec,
                                          dense_codec=args.average_dense_codec,
-                                         outer=args.average_outer)  # fmt: skip
+                                         outer=args.average_outer, merge=args.average_merge)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})

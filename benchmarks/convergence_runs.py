@@ -157,7 +157,7 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
-                   outer: tuple[float, float] = (1.0, 0.0)) -> RunResult:  # fmt: skip
+                   outer: tuple[float, float] = (1.0, 0.0), merge: bool = False) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -166,13 +166,16 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     trainers at every averaging); an expert is the mean of the replicas that trained it. A lossy ``codec``
     (``sync.codec``'s names) averages through it (``coded_average``), the dense weights through
     ``dense_codec`` if given. ``outer`` (alpha, momentum) applies each average through the swarm's outer
-    optimizer (``outer_average``), as ``sync.sync_alpha`` and ``sync.outer_momentum`` do."""
+    optimizer (``outer_average``), as ``sync.sync_alpha`` and ``sync.outer_momentum`` do. With ``merge``, the
+    merge warm-up (``sync.merge_*``) follows the averages that a swarm's rounds of the same index and step
+    would merge (``merge_replicas``)."""
     from coded_average import CodedAverage
     from outer_average import OuterAverage
 
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
+    from swarm.sync import merge_alpha_at, should_merge
     from swarm.sync.codecs import codec_named
     from swarm.train.optimizer import build_optimizer, set_lr
     from swarm.train.schedule import lr_at
@@ -201,7 +204,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             hf_model_from(cfg, models[0].canonical_state_dict()).to(device), cfg, device=device
         )
 
-    tokens, curve = 0, [(0, evaluate())]
+    tokens, rounds, curve = 0, 0, [(0, evaluate())]
     for step in range(steps):
         for m, opt, sampler in zip(models, opts, samplers, strict=True):
             set_lr(opt, lr_at(step, t))
@@ -213,6 +216,12 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0 or step + 1 == steps:
             averaging(models) if averaging else average_replicas(models, owned, n_exp)
+            rounds += 1
+            sc = cfg.sync
+            if merge and should_merge(step + 1, rounds, sc.merge_warmup_steps, sc.merge_every):
+                merge_replicas(
+                    models, merge_alpha_at(step + 1, sc.merge_alpha, sc.merge_warmup_steps), sc.merge_topk
+                )
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
@@ -221,7 +230,26 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         name += f"_outer_{outer[0]:g}_{outer[1]:g}"
     elif averaging is not None:
         name += f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
+    name += f"_merge_{cfg.sync.merge_alpha:g}" if merge else ""
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+
+
+@torch.no_grad()
+def merge_replicas(models: list, alpha: float, topk: int) -> None:
+    """The merge warm-up's step on every expert of every replica, each judged on the replica's own copies
+    (after an average, every replica's): as if each holder merged its experts and the others' copies were
+    refreshed at once, where a swarm refreshes them in its next round."""
+    from swarm.sync import merge_experts
+
+    for m in models:
+        state = m.canonical_state_dict()
+        for name in [n for n in state if n.endswith(".experts.gate_up")]:
+            down = name.replace("gate_up", "down")
+            every = list(range(state[name].shape[0]))
+            device = state[name].device
+            gate_up, down_proj = merge_experts(state[name].cpu(), state[down].cpu(), every, alpha, topk)
+            state[name], state[down] = gate_up.to(device), down_proj.to(device)
+        m.load_canonical_state_dict(state)
 
 
 @torch.no_grad()

@@ -202,3 +202,35 @@ def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
             after[1][name][1], before[1][name][1] + 0.95 * (both - before[1][name][1]), atol=1e-5
         )
         assert torch.equal(after[2][name][1], after[0][name][1])  # a copy: the first trainer's
+
+
+def test_merged_replicas_take_the_warm_up_step_on_every_expert():
+    """The every_step rows' merge warm-up (``--average-merge``): every expert of every replica moves as
+    ``merge_experts`` moves it, judged on that replica's own copies; the dense weights stay."""
+    import torch
+
+    from benchmarks.convergence_runs import merge_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from swarm.sync import merge_experts
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    models = []
+    for i, own in enumerate([[0, 1], [2]]):
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=i)
+        models.append(m)
+    before = [m.canonical_state_dict() for m in models]
+    merge_replicas(models, alpha=0.3, topk=2)
+    for b, m in zip(before, models, strict=True):
+        after = m.canonical_state_dict()
+        for name in b:
+            if not name.endswith(".experts.gate_up"):
+                if ".experts." not in name:
+                    assert torch.equal(after[name], b[name]), name
+                continue
+            down = name.replace("gate_up", "down")
+            gu, dn = merge_experts(b[name], b[down], list(range(mcfg.n_experts)), 0.3, 2)
+            assert not torch.allclose(gu, b[name])  # it moved
+            assert torch.allclose(after[name], gu, atol=1e-6) and torch.allclose(after[down], dn, atol=1e-6)
