@@ -197,7 +197,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     if outer != (1.0, 0.0):
         if averaging:
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
-        averaging = OuterAverage(models, owned, n_exp, *outer)
+        averaging = OuterAverage(owned, n_exp, *outer, means=replica_means)
 
     def evaluate() -> float:
         return heldout_loss(
@@ -252,11 +252,9 @@ def merge_replicas(models: list, alpha: float, topk: int) -> None:
         m.load_canonical_state_dict(state)
 
 
-@torch.no_grad()
-def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
-    """Dense weights: the mean of every replica; expert e: the mean of the replicas that train it (an expert
-    that none trains, when peers x per_peer < n_experts, stays as it is)."""
-    states = [m.canonical_state_dict() for m in models]
+def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dict[str, torch.Tensor]:
+    """Dense weights: the mean of every replica's state; expert e: the mean of the replicas that train it
+    (an expert that none trains, when peers x per_peer < n_experts, replica 0's)."""
     merged = {}
     for name in states[0]:
         if ".experts." not in name:
@@ -266,6 +264,13 @@ def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
         for e in range(n_exp):
             holders = [s[name][e] for s, own in zip(states, owned, strict=True) if e in own]
             merged[name][e] = torch.stack(holders).mean(0) if holders else states[0][name][e]  # untrained
+    return merged
+
+
+@torch.no_grad()
+def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
+    """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is)."""
+    merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
     for m in models:
         m.load_canonical_state_dict(merged)
 

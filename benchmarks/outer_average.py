@@ -1,7 +1,7 @@
 """Synchronous averaging of in-process replicas through the swarm's outer optimizer, as ``sync.sync_alpha``
 and ``sync.outer_momentum`` apply a round's average.
 
-    average = OuterAverage(models, owned, n_experts, alpha=1.0, momentum=0.5)
+    average = OuterAverage(owned, n_experts, alpha=1.0, momentum=0.5, means=convergence_runs.replica_means)
     average(models)          # in place of ``convergence_runs.average_replicas(models, owned, n_experts)``
 
 Each replica keeps its own ``swarm.sync.apply_average.OuterStep``, as each peer does, and steps every tensor
@@ -21,44 +21,31 @@ from swarm.sync.apply_average import OuterStep
 
 
 class OuterAverage:
-    """See the module docstring. ``owned[i]``: the experts replica ``i`` trains."""
+    """See the module docstring. ``owned[i]``: the experts replica ``i`` trains; ``means(states, owned,
+    n_experts)``: the mean state (``convergence_runs.replica_means``)."""
 
-    def __init__(self, models: list, owned: list[list[int]], n_experts: int, alpha: float, momentum: float):
-        self.owned, self.n_experts = owned, n_experts
-        self.steps = [OuterStep(alpha, momentum) for _ in models]
-
-    def _means(self, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Per name (an expert as ``name/e``), the mean of the replicas that train it."""
-        means = {}
-        for name in states[0]:
-            if ".experts." not in name:
-                means[name] = torch.stack([s[name] for s in states]).mean(0)
-                continue
-            for e in range(self.n_experts):
-                holders = [s[name][e] for s, own in zip(states, self.owned, strict=True) if e in own]
-                if holders:
-                    means[f"{name}/{e}"] = torch.stack(holders).mean(0)
-        return means
+    def __init__(self, owned: list[list[int]], n_experts: int, alpha: float, momentum: float, means) -> None:
+        self.owned, self.n_experts, self.means = owned, n_experts, means
+        self.steps = [OuterStep(alpha, momentum) for _ in owned]
 
     @torch.no_grad()
     def __call__(self, models: list) -> None:
         states = [m.canonical_state_dict() for m in models]
-        means = self._means(states)
+        means = self.means(states, self.owned, self.n_experts)
         for state, own, step in zip(states, self.owned, self.steps, strict=True):
-            params = {}  # views into ``state``, which the outer step moves in place
+            params, average = {}, {}  # views into ``state``, which the outer step moves in place
             for name, value in state.items():
                 if ".experts." not in name:
-                    params[name] = value
-                else:
-                    params.update({f"{name}/{e}": value[e] for e in own})
-            snapshot = {k: v.clone() for k, v in params.items()}
-            step.apply(params, snapshot, {k: means[k] for k in params})
-        for name in states[0]:
-            if ".experts." not in name:
-                continue
+                    params[name], average[name] = value, means[name]
+                    continue
+                for e in own:
+                    params[f"{name}/{e}"], average[f"{name}/{e}"] = value[e], means[name][e]
+            step.apply(params, {k: v.clone() for k, v in params.items()}, average)
+        for name in [n for n in states[0] if ".experts." in n]:
             for e in range(self.n_experts):
                 trainers = [i for i, own in enumerate(self.owned) if e in own]
-                source = states[trainers[0] if trainers else 0][name][e]  # nobody trains it: replica 0's
+                # nobody trains it: replica 0's, as the means hold it
+                source = states[trainers[0]][name][e] if trainers else means[name][e]
                 for state, own in zip(states, self.owned, strict=True):
                     if e not in own:
                         state[name][e] = source

@@ -160,7 +160,7 @@ def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
     trainer does not move (its mean is itself), and a copy of an expert is its trainer's."""
     import torch
 
-    from benchmarks.convergence_runs import average_replicas
+    from benchmarks.convergence_runs import average_replicas, replica_means
     from benchmarks.outer_average import OuterAverage
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
@@ -180,13 +180,13 @@ def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
     plain, outer = replicas(), replicas()
     before = [m.canonical_state_dict() for m in plain]
     average_replicas(plain, owned, mcfg.n_experts)
-    OuterAverage(outer, owned, mcfg.n_experts, alpha=1.0, momentum=0.0)(outer)
+    OuterAverage(owned, mcfg.n_experts, alpha=1.0, momentum=0.0, means=replica_means)(outer)
     for p, o in zip(plain, outer, strict=True):
         for name, value in p.canonical_state_dict().items():
             assert torch.allclose(value, o.canonical_state_dict()[name], atol=1e-6), name
 
     half = replicas()
-    OuterAverage(half, owned, mcfg.n_experts, alpha=0.5, momentum=0.9)(half)
+    OuterAverage(owned, mcfg.n_experts, alpha=0.5, momentum=0.9, means=replica_means)(half)
     after = [m.canonical_state_dict() for m in half]
     for name in after[0]:
         if ".experts." not in name:
