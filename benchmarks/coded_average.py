@@ -1,7 +1,7 @@
 """Synchronous averaging of in-process replicas through a lossy codec, as a swarm with ``sync.codec`` does it.
 
     average = CodedAverage(codec_named("int8"), models, owned, n_experts)
-    average(models)          # in place of ``convergence_runs.average_replicas(models, owned, n_experts)``
+    average(models)          # in place of ``replica_rounds.average_replicas(models, owned, n_experts)``
 
 It isolates what the codec costs the model's learning from everything else a real swarm adds (waiting,
 stale results, dropped rounds, noise between runs): the same replicas, batches and seeds, averaged at the

@@ -169,9 +169,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     optimizer (``outer_average``), as ``sync.sync_alpha`` and ``sync.outer_momentum`` do. With ``merge``, the
     merge warm-up (``sync.merge_*``) follows the averages that a swarm's rounds of the same index and step
     would merge (``merge_replicas``)."""
-    from coded_average import CodedAverage
-    from outer_average import OuterAverage
-
+    from benchmarks.coded_average import CodedAverage
+    from benchmarks.outer_average import OuterAverage
+    from benchmarks.replica_rounds import average_replicas, merge_replicas
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
@@ -197,7 +197,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     if outer != (1.0, 0.0):
         if averaging:
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
-        averaging = OuterAverage(owned, n_exp, *outer, means=replica_means)
+        averaging = OuterAverage(owned, n_exp, *outer)
 
     def evaluate() -> float:
         return heldout_loss(
@@ -232,47 +232,6 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         name += f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
     name += f"_merge_{cfg.sync.merge_alpha:g}" if merge else ""
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
-
-
-@torch.no_grad()
-def merge_replicas(models: list, alpha: float, topk: int) -> None:
-    """The merge warm-up's step on every expert of every replica, each judged on the replica's own copies
-    (after an average, every replica's): as if each holder merged its experts and the others' copies were
-    refreshed at once, where a swarm refreshes them in its next round."""
-    from swarm.sync import merge_experts
-
-    for m in models:
-        state = m.canonical_state_dict()
-        for name in [n for n in state if n.endswith(".experts.gate_up")]:
-            down = name.replace("gate_up", "down")
-            every = list(range(state[name].shape[0]))
-            device = state[name].device
-            gate_up, down_proj = merge_experts(state[name].cpu(), state[down].cpu(), every, alpha, topk)
-            state[name], state[down] = gate_up.to(device), down_proj.to(device)
-        m.load_canonical_state_dict(state)
-
-
-def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dict[str, torch.Tensor]:
-    """Dense weights: the mean of every replica's state; expert e: the mean of the replicas that train it
-    (an expert that none trains, when peers x per_peer < n_experts, replica 0's)."""
-    merged = {}
-    for name in states[0]:
-        if ".experts." not in name:
-            merged[name] = torch.stack([s[name] for s in states]).mean(0)
-            continue
-        merged[name] = torch.empty_like(states[0][name])
-        for e in range(n_exp):
-            holders = [s[name][e] for s, own in zip(states, owned, strict=True) if e in own]
-            merged[name][e] = torch.stack(holders).mean(0) if holders else states[0][name][e]  # untrained
-    return merged
-
-
-@torch.no_grad()
-def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
-    """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is)."""
-    merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
-    for m in models:
-        m.load_canonical_state_dict(merged)
 
 
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,

@@ -1,8 +1,8 @@
 """Synchronous averaging of in-process replicas through the swarm's outer optimizer, as ``sync.sync_alpha``
 and ``sync.outer_momentum`` apply a round's average.
 
-    average = OuterAverage(owned, n_experts, alpha=1.0, momentum=0.5, means=convergence_runs.replica_means)
-    average(models)          # in place of ``convergence_runs.average_replicas(models, owned, n_experts)``
+    average = OuterAverage(owned, n_experts, alpha=1.0, momentum=0.5)
+    average(models)          # in place of ``replica_rounds.average_replicas(models, owned, n_experts)``
 
 Each replica keeps its own ``swarm.sync.apply_average.OuterStep``, as each peer does, and steps every tensor
 it trains: the dense weights towards the mean of every replica, an expert towards the mean of the replicas
@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.replica_rounds import replica_means
 from swarm.sync.apply_average import OuterStep
 
 
 class OuterAverage:
-    """See the module docstring. ``owned[i]``: the experts replica ``i`` trains; ``means(states, owned,
-    n_experts)``: the mean state (``convergence_runs.replica_means``)."""
+    """See the module docstring. ``owned[i]``: the experts replica ``i`` trains."""
 
-    def __init__(self, owned: list[list[int]], n_experts: int, alpha: float, momentum: float, means) -> None:
-        self.owned, self.n_experts, self.means = owned, n_experts, means
+    def __init__(self, owned: list[list[int]], n_experts: int, alpha: float, momentum: float) -> None:
+        self.owned, self.n_experts = owned, n_experts
         self.steps = [OuterStep(alpha, momentum) for _ in owned]
 
     @torch.no_grad()
     def __call__(self, models: list) -> None:
         states = [m.canonical_state_dict() for m in models]
-        means = self.means(states, self.owned, self.n_experts)
+        means = replica_means(states, self.owned, self.n_experts)
         for state, own, step in zip(states, self.owned, self.steps, strict=True):
             params, average = {}, {}  # views into ``state``, which the outer step moves in place
             for name, value in state.items():

@@ -239,7 +239,7 @@ def test_a_coded_average_is_the_plain_mean_within_the_codecs_error():
     import torch
 
     from benchmarks.coded_average import CodedAverage
-    from benchmarks.convergence_runs import average_replicas
+    from benchmarks.replica_rounds import average_replicas
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from swarm.sync.codecs import codec_named

@@ -129,7 +129,7 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
     replica, an expert the mean of the replicas that train it, an expert nobody trains stays; all agree."""
     import torch
 
-    from benchmarks.convergence_runs import average_replicas
+    from benchmarks.replica_rounds import average_replicas
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from tests.conftest import TINY_CONFIG
@@ -160,8 +160,8 @@ def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
     trainer does not move (its mean is itself), and a copy of an expert is its trainer's."""
     import torch
 
-    from benchmarks.convergence_runs import average_replicas, replica_means
     from benchmarks.outer_average import OuterAverage
+    from benchmarks.replica_rounds import average_replicas
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from tests.conftest import TINY_CONFIG
@@ -180,13 +180,13 @@ def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
     plain, outer = replicas(), replicas()
     before = [m.canonical_state_dict() for m in plain]
     average_replicas(plain, owned, mcfg.n_experts)
-    OuterAverage(owned, mcfg.n_experts, alpha=1.0, momentum=0.0, means=replica_means)(outer)
+    OuterAverage(owned, mcfg.n_experts, alpha=1.0, momentum=0.0)(outer)
     for p, o in zip(plain, outer, strict=True):
         for name, value in p.canonical_state_dict().items():
             assert torch.allclose(value, o.canonical_state_dict()[name], atol=1e-6), name
 
     half = replicas()
-    OuterAverage(owned, mcfg.n_experts, alpha=0.5, momentum=0.9, means=replica_means)(half)
+    OuterAverage(owned, mcfg.n_experts, alpha=0.5, momentum=0.9)(half)
     after = [m.canonical_state_dict() for m in half]
     for name in after[0]:
         if ".experts." not in name:
@@ -209,7 +209,7 @@ def test_merged_replicas_take_the_warm_up_step_on_every_expert():
     ``merge_experts`` moves it, judged on that replica's own copies; the dense weights stay."""
     import torch
 
-    from benchmarks.convergence_runs import merge_replicas
+    from benchmarks.replica_rounds import merge_replicas
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from swarm.sync import merge_experts

@@ -1,0 +1,54 @@
+"""What a swarm's round does to its peers' weights, done to in-process replicas at once (the every_step
+rows of ``convergence.py``): plain averaging and the merge warm-up. ``coded_average`` and ``outer_average``
+average the same replicas through a codec or the outer optimizer instead.
+
+    average_replicas(models, owned, n_experts)    # every replica takes replica_means of all of them
+    merge_replicas(models, alpha, topk)           # the merge warm-up's step on every replica's experts
+
+``owned[i]``: the experts replica ``i`` trains.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.sync import merge_experts
+
+
+@torch.no_grad()
+def merge_replicas(models: list, alpha: float, topk: int) -> None:
+    """The merge warm-up's step on every expert of every replica, each judged on the replica's own copies
+    (after an average, every replica's): as if each holder merged its experts and the others' copies were
+    refreshed at once, where a swarm refreshes them in its next round."""
+    for m in models:
+        state = m.canonical_state_dict()
+        for name in [n for n in state if n.endswith(".experts.gate_up")]:
+            down = name.replace("gate_up", "down")
+            every = list(range(state[name].shape[0]))
+            device = state[name].device
+            gate_up, down_proj = merge_experts(state[name].cpu(), state[down].cpu(), every, alpha, topk)
+            state[name], state[down] = gate_up.to(device), down_proj.to(device)
+        m.load_canonical_state_dict(state)
+
+
+def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dict[str, torch.Tensor]:
+    """Dense weights: the mean of every replica's state; expert e: the mean of the replicas that train it
+    (an expert that none trains, when peers x per_peer < n_experts, replica 0's)."""
+    merged = {}
+    for name in states[0]:
+        if ".experts." not in name:
+            merged[name] = torch.stack([s[name] for s in states]).mean(0)
+            continue
+        merged[name] = torch.empty_like(states[0][name])
+        for e in range(n_exp):
+            holders = [s[name][e] for s, own in zip(states, owned, strict=True) if e in own]
+            merged[name][e] = torch.stack(holders).mean(0) if holders else states[0][name][e]  # untrained
+    return merged
+
+
+@torch.no_grad()
+def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
+    """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is)."""
+    merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
+    for m in models:
+        m.load_canonical_state_dict(merged)
