@@ -181,13 +181,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _alpha_momentum(text: str) -> tuple[float, float]:
-    """``ALPHA,MOMENTUM`` as ``sync.sync_alpha`` and ``sync.outer_momentum`` accept them."""
+    """``ALPHA,MOMENTUM`` as ``sync.sync_alpha`` and ``sync.outer_momentum`` accept them (their own checks)."""
+    from swarm.config import SyncConfig
+
     try:
         alpha, momentum = (float(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ALPHA,MOMENTUM, like 1,0.5") from None
-    if not 0 < alpha <= 3 or not 0 <= momentum < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: alpha must be in (0, 3] and momentum in [0, 1)")
+    try:
+        SyncConfig(sync_alpha=alpha, outer_momentum=momentum)
+    except ValueError as e:  # ConfigError: one line naming the key
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return alpha, momentum
 
 
