@@ -157,7 +157,8 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
-                   outer: tuple[float, float] = (1.0, 0.0), merge: bool = False) -> RunResult:  # fmt: skip
+                   outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
+                   experts_every: int = 0) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -168,7 +169,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     ``dense_codec`` if given. ``outer`` (alpha, momentum) applies each average through the swarm's outer
     optimizer (``outer_average``), as ``sync.sync_alpha`` and ``sync.outer_momentum`` do. With ``merge``, the
     merge warm-up (``sync.merge_*``) follows the averages that a swarm's rounds of the same index and step
-    would merge (``merge_replicas``)."""
+    would merge (``merge_replicas``). ``experts_every`` (default ``every``) averages the experts, and so
+    refreshes the copies of those with one trainer, on an interval of their own: ``every`` is then the dense
+    weights' alone, as ``sync.refresh_every`` spaces a swarm's refresh rounds (plain averaging only)."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import average_replicas, merge_replicas
@@ -198,6 +201,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         if averaging:
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
         averaging = OuterAverage(owned, n_exp, *outer)
+    experts_every = experts_every or every
+    if experts_every != every and (averaging or merge):
+        raise ValueError("experts averaged apart from the dense weights: plain averaging only")
 
     def evaluate() -> float:
         return heldout_loss(
@@ -214,8 +220,12 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
                 torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if (step + 1) % every == 0 or step + 1 == steps:
-            averaging(models) if averaging else average_replicas(models, owned, n_exp)
+        dense_due, experts_due = ((step + 1) % n == 0 or step + 1 == steps for n in (every, experts_every))
+        if dense_due or experts_due:
+            if averaging:
+                averaging(models)
+            else:
+                average_replicas(models, owned, n_exp, dense=dense_due, experts=experts_due)
             rounds += 1
             sc = cfg.sync
             if merge and should_merge(step + 1, rounds, sc.merge_warmup_steps, sc.merge_every):
@@ -226,6 +236,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
+    name += f"_experts_every_{experts_every}" if experts_every != every else ""
     if outer != (1.0, 0.0):
         name += f"_outer_{outer[0]:g}_{outer[1]:g}"
     elif averaging is not None:

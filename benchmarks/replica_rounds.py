@@ -3,6 +3,7 @@ rows of ``convergence.py``): plain averaging and the merge warm-up. ``coded_aver
 average the same replicas through a codec or the outer optimizer instead.
 
     average_replicas(models, owned, n_experts)    # every replica takes replica_means of all of them
+    average_replicas(models, owned, n_experts, experts=False)   # of the dense weights only
     merge_replicas(models, alpha, topk)           # the merge warm-up's step on every replica's experts
 
 ``owned[i]``: the experts replica ``i`` trains.
@@ -47,8 +48,12 @@ def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dic
 
 
 @torch.no_grad()
-def average_replicas(models: list, owned: list[list[int]], n_exp: int) -> None:
-    """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is)."""
+def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bool = True,
+                     experts: bool = True) -> None:  # fmt: skip
+    """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is):
+    of the dense weights, of the experts (an expert with one trainer: the others' copies of it), or both."""
     merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
     for m in models:
-        m.load_canonical_state_dict(merged)
+        state = m.canonical_state_dict()
+        state.update({k: v for k, v in merged.items() if (experts if ".experts." in k else dense)})
+        m.load_canonical_state_dict(state)

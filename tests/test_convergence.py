@@ -104,18 +104,19 @@ def test_convergence_benchmark_produces_every_row(tiny_data, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(path), "--corpus",
          str(tiny_data), "--transport", "local", "--steps", "12", "--peers", "2", "--json", "--out", str(out),
-         "--rows", *ROWS, *EXTRA_ROWS],
+         "--rows", *ROWS, *EXTRA_ROWS, "--average-every", "2", "--average-experts-every", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["row"] for r in rows] == [*ROWS, *EXTRA_ROWS]
+    split = [f"{r}_every_2_experts_every_4" for r in EXTRA_ROWS]  # dense weights every 2 steps, experts 4
+    assert [r["row"] for r in rows] == [*ROWS, *split]
     central = rows[0]
     assert central["ratio_to_central"] == 1.0 and central["bytes_per_peer"] == 0
     for r in rows:
         assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r  # below ln(512) = 6.24 + margin
         assert r["tokens"] == 12 * 2 * cfg["data"]["micro_batch"] * cfg["data"]["seq_len"], r
-    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", *EXTRA_ROWS)}
+    swarms = {r["row"]: r for r in rows if r["row"] not in ("central", *split)}
     assert all(r["bytes_per_peer"] > 0 and r["rounds_applied"] >= 1 for r in swarms.values()), swarms
     saved = json.loads((out / "convergence.json").read_text())
     assert set(saved["rows"]) == {*ROWS, *EXTRA_ROWS} and all(
@@ -152,6 +153,41 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         assert torch.equal(value[0], before[0][name][0]) and torch.equal(value[3], before[2][name][3])
         assert torch.allclose(value[1], (before[0][name][1] + before[1][name][1]) / 2, atol=1e-7)
         assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
+
+
+def test_replicas_average_dense_weights_and_experts_on_intervals_of_their_own():
+    """``--average-experts-every``: a dense-only average leaves every replica's experts, copies included, as
+    they were; an experts-only one refreshes the copies from their trainers and leaves the dense weights."""
+    import torch
+
+    from benchmarks.replica_rounds import average_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    models = []
+    for i, own in enumerate(owned):
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=i)
+        models.append(m)
+    before = [m.canonical_state_dict() for m in models]
+    average_replicas(models, owned, mcfg.n_experts, experts=False)
+    dense_only = [m.canonical_state_dict() for m in models]
+    average_replicas(models, owned, mcfg.n_experts, dense=False)
+    experts_only = [m.canonical_state_dict() for m in models]
+    for name in before[0]:
+        if ".experts." not in name:
+            mean = (before[0][name] + before[1][name]) / 2
+            assert all(torch.allclose(d[name], mean, atol=1e-7) for d in dense_only), name
+            assert all(torch.equal(e[name], d[name]) for e, d in zip(experts_only, dense_only)), name
+            continue
+        assert all(torch.equal(d[name], b[name]) for d, b in zip(dense_only, before)), name
+        for e in range(mcfg.n_experts):
+            trainer = before[e // 4][name][e]
+            assert all(torch.equal(x[name][e], trainer) for x in experts_only), (name, e)
+    assert not torch.equal(before[0]["embed.weight"], before[1]["embed.weight"])
 
 
 def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
