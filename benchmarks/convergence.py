@@ -28,7 +28,8 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
                    ``--average-outer 0.7,0.9``: through the swarm's outer optimizer, as ``sync.sync_alpha``
                    and ``sync.outer_momentum``; ``--average-merge``: with the merge warm-up, as
                    ``sync.merge_*`` sets it; ``--average-experts-every M``: the experts every M steps and
-                   the dense weights every N, as ``sync.refresh_every`` spaces a swarm's refresh rounds)
+                   the dense weights every N, as ``sync.refresh_every`` spaces a swarm's refresh rounds;
+                   ``--average-delay D``: each average lands D steps late, as a round in the background)
     every_step_spes  (only when asked for) the same with each peer training only its own
                    ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
@@ -118,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=("process", "local"), default="process")
     ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
     ap.add_argument("--average-experts-every", type=int, default=0, metavar="N",
-                    help="the every_step rows average the experts (refresh copies) every N steps, and the "
+                    help="the every_step rows average the experts (refresh copies) every N steps, the "
                          "dense weights every --average-every (default: both every --average-every)")  # fmt: skip
+    ap.add_argument("--average-delay", type=int, default=0, metavar="N",
+                    help="the every_step rows' averages land N steps after their snapshots, the steps "
+                         "taken meanwhile kept, as rounds in the background do (default 0)")  # fmt: skip
     ap.add_argument("--average-codec", default="fp32", choices=tuple(CODECS),
                     help="how the every_step rows' averages travel (coded_average)")  # fmt: skip
     ap.add_argument("--average-dense-codec", default="", choices=("", *CODECS),
@@ -142,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = list(QUICK_ROWS if args.quick else ROWS)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
-    if args.average_every < 1 or args.average_experts_every < 0:
-        ap.error("--average-every must be at least 1, --average-experts-every at least 1 (0: the same)")
+    if args.average_every < 1 or args.average_experts_every < 0 or args.average_delay < 0:
+        ap.error("--average-every must be at least 1, --average-experts-every and --average-delay >= 0")
     plain = args.average_outer == (1.0, 0.0) and not args.average_merge
     plain = plain and args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
-    if args.average_experts_every not in (0, args.average_every) and not plain:
-        ap.error("--average-experts-every averages plainly: no codec, --average-outer, --average-merge")
+    if (args.average_experts_every not in (0, args.average_every) or args.average_delay) and not plain:
+        ap.error("--average-experts-every and --average-delay average plainly: no codec, outer step, merge")
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                          codec=args.average_codec,
                                          dense_codec=args.average_dense_codec,
                                          outer=args.average_outer, merge=args.average_merge,
-                                         experts_every=args.average_experts_every)  # fmt: skip
+                                         experts_every=args.average_experts_every,
+                                         delay=args.average_delay)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})

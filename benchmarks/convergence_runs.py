@@ -158,7 +158,7 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
-                   experts_every: int = 0) -> RunResult:  # fmt: skip
+                   experts_every: int = 0, delay: int = 0) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -171,10 +171,13 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     merge warm-up (``sync.merge_*``) follows the averages that a swarm's rounds of the same index and step
     would merge (``merge_replicas``). ``experts_every`` (default ``every``) averages the experts, and so
     refreshes the copies of those with one trainer, on an interval of their own: ``every`` is then the dense
-    weights' alone, as ``sync.refresh_every`` spaces a swarm's refresh rounds (plain averaging only)."""
+    weights' alone, as ``sync.refresh_every`` spaces a swarm's refresh rounds. ``delay``: each average lands
+    that many steps after its snapshots, the steps taken meanwhile kept (``LateAverages``), as a swarm's
+    rounds do while it trains on; the last step's average is synchronous, as its final agreement. Both
+    with plain averaging only."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
-    from benchmarks.replica_rounds import average_replicas, merge_replicas
+    from benchmarks.replica_rounds import LateAverages, average_replicas, merge_replicas
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
@@ -202,8 +205,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
         averaging = OuterAverage(owned, n_exp, *outer)
     experts_every = experts_every or every
-    if experts_every != every and (averaging or merge):
-        raise ValueError("experts averaged apart from the dense weights: plain averaging only")
+    if (experts_every != every or delay) and (averaging or merge):
+        raise ValueError("experts averaged apart from the dense weights, or late: plain averaging only")
+    late = LateAverages(owned, n_exp, delay) if delay else None
 
     def evaluate() -> float:
         return heldout_loss(
@@ -221,7 +225,13 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             opt.step()
             opt.zero_grad(set_to_none=True)
         dense_due, experts_due = ((step + 1) % n == 0 or step + 1 == steps for n in (every, experts_every))
-        if dense_due or experts_due:
+        if late and step + 1 < steps:
+            if dense_due or experts_due:
+                late.start(models, step + 1, dense=dense_due, experts=experts_due)
+            late.land(models, step + 1)
+        elif dense_due or experts_due:
+            if late:  # the last step: the rounds in flight land, then the final agreement
+                late.land(models, step + 1, everything=True)
             if averaging:
                 averaging(models)
             else:
@@ -237,6 +247,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             curve.append((tokens, evaluate()))
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
     name += f"_experts_every_{experts_every}" if experts_every != every else ""
+    name += f"_late_{delay}" if delay else ""
     if outer != (1.0, 0.0):
         name += f"_outer_{outer[0]:g}_{outer[1]:g}"
     elif averaging is not None:

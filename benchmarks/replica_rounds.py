@@ -1,6 +1,7 @@
 """What a swarm's round does to its peers' weights, done to in-process replicas at once (the every_step
-rows of ``convergence.py``): plain averaging and the merge warm-up. ``coded_average`` and ``outer_average``
-average the same replicas through a codec or the outer optimizer instead.
+rows of ``convergence.py``): plain averaging, averages that land late (``LateAverages``) and the merge
+warm-up. ``coded_average`` and ``outer_average`` average the same replicas through a codec or the outer
+optimizer instead.
 
     average_replicas(models, owned, n_experts)    # every replica takes replica_means of all of them
     average_replicas(models, owned, n_experts, experts=False)   # of the dense weights only
@@ -57,3 +58,38 @@ def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bo
         state = m.canonical_state_dict()
         state.update({k: v for k, v in merged.items() if (experts if ".experts." in k else dense)})
         m.load_canonical_state_dict(state)
+
+
+class LateAverages:
+    """Averages that land ``delay`` steps after the weights they average were taken, as a peer's round
+    runs in the background while it trains on: each replica then takes theta + (a - s), the average a of
+    the snapshots s plus its own steps since (``swarm.sync.apply_average``'s plain rule).
+
+        late = LateAverages(owned, n_experts, delay=4)
+        late.start(models, step, dense=True, experts=False)   # a round begins: snapshots, their means
+        late.land(models, step)                               # rounds begun ``delay`` steps ago land
+        late.land(models, step, everything=True)              # all that are in flight (before the last)
+    """
+
+    def __init__(self, owned: list[list[int]], n_exp: int, delay: int) -> None:
+        if delay < 0:
+            raise ValueError("delay must be >= 0 steps")
+        self.owned, self.n_exp, self.delay = owned, n_exp, delay
+        self._in_flight: list[tuple[int, list[str], list[dict], dict]] = []  # (lands at, names, snaps, means)
+
+    @torch.no_grad()
+    def start(self, models: list, step: int, dense: bool = True, experts: bool = True) -> None:
+        snaps = [{k: v.clone() for k, v in m.canonical_state_dict().items()} for m in models]
+        means = replica_means(snaps, self.owned, self.n_exp)
+        names = [k for k in means if (experts if ".experts." in k else dense)]
+        self._in_flight.append((step + self.delay, names, snaps, means))
+
+    @torch.no_grad()
+    def land(self, models: list, step: int, everything: bool = False) -> None:
+        due = [r for r in self._in_flight if everything or r[0] <= step]
+        self._in_flight = [r for r in self._in_flight if not (everything or r[0] <= step)]
+        for _, names, snaps, means in due:
+            for m, snap in zip(models, snaps, strict=True):
+                state = m.canonical_state_dict()
+                state.update({k: state[k] + (means[k] - snap[k]) for k in names})
+                m.load_canonical_state_dict(state)

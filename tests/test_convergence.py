@@ -181,13 +181,60 @@ def test_replicas_average_dense_weights_and_experts_on_intervals_of_their_own():
         if ".experts." not in name:
             mean = (before[0][name] + before[1][name]) / 2
             assert all(torch.allclose(d[name], mean, atol=1e-7) for d in dense_only), name
-            assert all(torch.equal(e[name], d[name]) for e, d in zip(experts_only, dense_only)), name
+            assert all(
+                torch.equal(e[name], d[name]) for e, d in zip(experts_only, dense_only, strict=True)
+            ), name
             continue
-        assert all(torch.equal(d[name], b[name]) for d, b in zip(dense_only, before)), name
+        assert all(torch.equal(d[name], b[name]) for d, b in zip(dense_only, before, strict=True)), name
         for e in range(mcfg.n_experts):
             trainer = before[e // 4][name][e]
             assert all(torch.equal(x[name][e], trainer) for x in experts_only), (name, e)
     assert not torch.equal(before[0]["embed.weight"], before[1]["embed.weight"])
+
+
+def test_late_averages_land_on_the_steps_taken_meanwhile():
+    """``--average-delay``: an average lands ``delay`` steps after its snapshots, each replica taking the
+    mean of the snapshots plus its own change since; nothing lands early, and everything at the last."""
+    import torch
+
+    from benchmarks.replica_rounds import LateAverages
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    models = []
+    for i, own in enumerate(owned):
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=i)
+        models.append(m)
+    snaps = [m.canonical_state_dict() for m in models]  # copies
+    late = LateAverages(owned, mcfg.n_experts, delay=2)
+    late.start(models, step=10, experts=False)
+
+    def train_on(k: int, by: float) -> None:  # a step of replica k: its dense embedding moves
+        state = models[k].canonical_state_dict()
+        state["embed.weight"] = state["embed.weight"] + by
+        models[k].load_canonical_state_dict(state)
+
+    train_on(0, 1.0)
+    late.land(models, step=11)  # not yet: begun at 10, lands at 12
+    assert torch.equal(models[0].canonical_state_dict()["embed.weight"], snaps[0]["embed.weight"] + 1.0)
+    late.start(models, step=11, dense=False)  # an experts' round, in flight at the end
+    late.land(models, step=12)
+    mean = (snaps[0]["embed.weight"] + snaps[1]["embed.weight"]) / 2
+    after = [m.canonical_state_dict() for m in models]
+    assert torch.allclose(after[0]["embed.weight"], mean + 1.0, atol=1e-6)
+    assert torch.allclose(after[1]["embed.weight"], mean, atol=1e-6)
+    experts = [k for k in after[0] if ".experts." in k]
+    assert all(torch.equal(after[1][k][0], snaps[1][k][0]) for k in experts)  # its copy of 0 not yet fresh
+    late.land(models, step=12, everything=True)
+    after = [m.canonical_state_dict() for m in models]
+    assert all(torch.allclose(after[1][k][0], snaps[0][k][0], atol=1e-6) for k in experts)  # its trainer's
+    assert not any(torch.allclose(snaps[1][k][0], snaps[0][k][0], atol=1e-3) for k in experts)
+    with pytest.raises(ValueError, match="delay"):
+        LateAverages(owned, mcfg.n_experts, delay=-1)
 
 
 def test_outer_averaging_steps_each_replica_as_a_peer_applies_a_round():
