@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net import stream_linger
@@ -362,3 +362,22 @@ def test_a_step_that_ends_as_a_wait_times_out_is_taken_as_it_ended():
     t0 = time.monotonic()
     gathered, _, why = await_step(never, timeout=0.3, poll=0.05)
     assert gathered is None and why == "TimeoutError: no result within 0.3 s" and time.monotonic() - t0 < 2
+
+
+def test_a_triggered_step_whose_averager_never_takes_the_trigger_is_given_up_early():
+    """Its group formed, we triggered it, and the averager still waits for the trigger: given up once its
+    members have left it out (``untaken_s``), not held for the whole round; a step that waits and then
+    begins its all-reduce is not."""
+    MPFuture()
+    stuck, slow = (StepControl(time.time(), time.time() + 60, False, 1.0, b"") for _ in range(2))
+    for step in (stuck, slow):
+        step.attach(MPFuture(), MPFuture())
+        step.stage = AveragingStage.AWAITING_TRIGGER
+    t0 = time.monotonic()
+    gathered, _, why = await_step(stuck, timeout=30.0, poll=0.02, untaken_s=0.3)
+    assert gathered is None and why.startswith("TriggerNotTaken") and stuck.cancelled()
+    assert 0.3 <= time.monotonic() - t0 < 3
+    threading.Timer(0.2, lambda: setattr(slow, "stage", AveragingStage.RUNNING_ALLREDUCE)).start()
+    threading.Timer(0.6, lambda: slow.set_result({"peer": b"info"})).start()
+    gathered, formed_at, why = await_step(slow, timeout=30.0, poll=0.02, untaken_s=0.3)
+    assert why == "" and gathered == {"peer": b"info"} and formed_at > 0

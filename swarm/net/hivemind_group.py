@@ -66,6 +66,7 @@ class HivemindGroup:
         rule: AggregationRule | None = None,
     ) -> None:
         self.name, self.serves_only, self.matchmaking_time = name, like is None, matchmaking_time
+        self.partners_wait_s = 4 * request_timeout + late_s  # the longest a member waits for our part
         self.swarm_key, self.me = getattr(dht, "swarm_key", None), dht.peer_id.to_base58()
         with hivemind_child_signals():
             self.averager = ServingAverager(
@@ -84,7 +85,7 @@ class HivemindGroup:
                 # after the others (a step, an evaluation): its first part is waited for that much longer
                 next_chunk_timeout=2 * request_timeout,
                 sender_timeout=2 * request_timeout + late_s,
-                reducer_timeout=4 * request_timeout + late_s,
+                reducer_timeout=self.partners_wait_s,
                 compression=compression or NoCompression(),
                 state_compression=serve_compression or Float16Compression(),
                 allow_state_sharing=True,
@@ -195,7 +196,7 @@ class HivemindGroup:
         return handle.done() or has_members(handle)
 
     def outcome(self, handle: StepControl, timeout: float) -> GroupOutcome:
-        gathered, formed_at, why = await_step(handle, timeout)
+        gathered, formed_at, why = await_step(handle, timeout, untaken_s=self.partners_wait_s)
         if why:
             return GroupOutcome(False, why, members=self._failed_members())
         if not gathered:
@@ -250,10 +251,14 @@ def has_members(handle: StepControl) -> bool:
     return handle.stage.value >= AveragingStage.AWAITING_TRIGGER.value
 
 
-def await_step(handle: StepControl, timeout: float, poll: float = FORMED_POLL_S) -> tuple[Any, float, str]:
+def await_step(
+    handle: StepControl, timeout: float, poll: float = FORMED_POLL_S, untaken_s: float | None = None
+) -> tuple[Any, float, str]:
     """(what the step gathered, when its group formed (monotonic), "") or (None, 0.0, why it failed),
-    within ``timeout``. Waits in short polls to see when the group formed (the rest is the all-reduce)."""
-    end, formed_at = time.monotonic() + timeout, None
+    within ``timeout``. Waits in short polls to see when the group formed (the rest is the all-reduce).
+    A triggered step (``allow_allreduce`` called before this wait) whose group formed but whose averager
+    still waits for the trigger ``untaken_s`` later is given up: its members have left it out by then."""
+    end, formed_at, untaken_since = time.monotonic() + timeout, None, None
     while True:
         try:
             gathered = handle.result(timeout=max(0.0, min(poll, end - time.monotonic())))
@@ -266,6 +271,15 @@ def await_step(handle: StepControl, timeout: float, poll: float = FORMED_POLL_S)
                     return None, 0.0, f"{type(e).__name__}: {e}"[:200]
             if formed_at is None and has_members(handle):
                 formed_at = time.monotonic()
+            if handle.stage != AveragingStage.AWAITING_TRIGGER:
+                untaken_since = None
+            elif untaken_since is None:
+                untaken_since = time.monotonic()
+            elif untaken_s is not None and time.monotonic() - untaken_since > untaken_s:
+                # seen once on 2 busy cores: the trigger never reached the averager's process, which then
+                # held the round (and every later one) for the whole timeout while its members went on
+                handle.cancel()
+                return None, 0.0, f"TriggerNotTaken: the all-reduce did not begin within {untaken_s:.0f} s"
             if time.monotonic() < end:
                 continue
             handle.cancel()
