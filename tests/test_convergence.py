@@ -155,12 +155,8 @@ def test_averaged_replicas_take_the_dense_mean_and_each_expert_from_its_trainers
         assert torch.equal(value[2], before[1][name][2]) and torch.equal(value[5], before[0][name][5])
 
 
-def test_replicas_average_dense_weights_and_experts_on_intervals_of_their_own():
-    """``--average-experts-every``: a dense-only average leaves every replica's experts, copies included, as
-    they were; an experts-only one refreshes the copies from their trainers and leaves the dense weights."""
-    import torch
-
-    from benchmarks.replica_rounds import average_replicas
+def _two_replicas():
+    """Two tiny replicas, each training half of the 8 experts, initialised differently."""
     from swarm.config import ModelConfig
     from swarm.model import MoETransformer
     from tests.conftest import TINY_CONFIG
@@ -172,6 +168,17 @@ def test_replicas_average_dense_weights_and_experts_on_intervals_of_their_own():
         m = MoETransformer(mcfg, own)
         m.init_weights(seed=i)
         models.append(m)
+    return mcfg, owned, models
+
+
+def test_replicas_average_dense_weights_and_experts_on_intervals_of_their_own():
+    """``--average-experts-every``: a dense-only average leaves every replica's experts, copies included, as
+    they were; an experts-only one refreshes the copies from their trainers and leaves the dense weights."""
+    import torch
+
+    from benchmarks.replica_rounds import average_replicas
+
+    mcfg, owned, models = _two_replicas()
     before = [m.canonical_state_dict() for m in models]
     average_replicas(models, owned, mcfg.n_experts, experts=False)
     dense_only = [m.canonical_state_dict() for m in models]
@@ -198,17 +205,8 @@ def test_late_averages_land_on_the_steps_taken_meanwhile():
     import torch
 
     from benchmarks.replica_rounds import LateAverages
-    from swarm.config import ModelConfig
-    from swarm.model import MoETransformer
-    from tests.conftest import TINY_CONFIG
 
-    mcfg = ModelConfig(**TINY_CONFIG["model"])
-    owned = [[0, 1, 2, 3], [4, 5, 6, 7]]
-    models = []
-    for i, own in enumerate(owned):
-        m = MoETransformer(mcfg, own)
-        m.init_weights(seed=i)
-        models.append(m)
+    mcfg, owned, models = _two_replicas()
     snaps = [m.canonical_state_dict() for m in models]  # copies
     late = LateAverages(owned, mcfg.n_experts, delay=2)
     late.start(models, step=10, experts=False)
