@@ -48,6 +48,10 @@ def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dic
     return merged
 
 
+def _in_part(name: str, dense: bool, experts: bool) -> bool:
+    return experts if ".experts." in name else dense
+
+
 @torch.no_grad()
 def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bool = True,
                      experts: bool = True) -> None:  # fmt: skip
@@ -56,7 +60,7 @@ def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bo
     merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
     for m in models:
         state = m.canonical_state_dict()
-        state.update({k: v for k, v in merged.items() if (experts if ".experts." in k else dense)})
+        state.update({k: v for k, v in merged.items() if _in_part(k, dense, experts)})
         m.load_canonical_state_dict(state)
 
 
@@ -79,9 +83,9 @@ class LateAverages:
 
     @torch.no_grad()
     def start(self, models: list, step: int, dense: bool = True, experts: bool = True) -> None:
-        snaps = [{k: v.clone() for k, v in m.canonical_state_dict().items()} for m in models]
+        snaps = [m.canonical_state_dict() for m in models]  # detached copies already
         means = replica_means(snaps, self.owned, self.n_exp)
-        names = [k for k in means if (experts if ".experts." in k else dense)]
+        names = [k for k in means if _in_part(k, dense, experts)]
         self._in_flight.append((step + self.delay, names, snaps, means))
 
     @torch.no_grad()
