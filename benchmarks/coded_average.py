@@ -2,6 +2,7 @@
 
     average = CodedAverage(codec_named("int8"), models, owned, n_experts)
     average(models)          # in place of ``replica_rounds.average_replicas(models, owned, n_experts)``
+    average(models, experts=False)   # the dense weights alone, as a round between refresh rounds
 
 It isolates what the codec costs the model's learning from everything else a real swarm adds (waiting,
 stale results, dropped rounds, noise between runs): the same replicas, batches and seeds, averaged at the
@@ -10,13 +11,16 @@ the codec dropped from it last time (error feedback), encoded. The members' enco
 each member gets the mean back as an encoded change from what it sent, as ``swarm.net.local_transport``
 models hivemind's butterfly (it leaves out that a member's own share of the tensor comes back exact). A
 replica that does not train an expert refreshes its copy as an encoded change against the copy it holds,
-from the first trainer's result. The state each member ends a round with is its reference for the next.
+from the first trainer's result. The state each member ends a round with is its reference for that tensor's
+next round: a round of the dense weights alone leaves the experts' references, and what their codec dropped,
+as they were.
 """
 
 from __future__ import annotations
 
 import torch
 
+from benchmarks.replica_rounds import averaged_part
 from swarm.sync.codecs import Codec
 
 
@@ -45,10 +49,12 @@ class CodedAverage:
         return {i: self.refs[i][name][part] + sent[i] + codec.roundtrip(mean - sent[i]) for i in members}
 
     @torch.no_grad()
-    def __call__(self, models: list) -> None:
+    def __call__(self, models: list, dense: bool = True, experts: bool = True) -> None:
         now = [m.canonical_state_dict() for m in models]
         everyone = list(range(len(models)))
         for name in now[0]:
+            if not averaged_part(name, dense, experts):
+                continue
             if ".experts." not in name:
                 for i, result in self._members_mean(everyone, now, name, slice(None), self.dense).items():
                     now[i][name] = result
@@ -66,4 +72,6 @@ class CodedAverage:
                         now[i][name][e] = held + self.codec.roundtrip(results[holders[0]] - held)
         for m, state in zip(models, now, strict=True):
             m.load_canonical_state_dict(state)
-        self.refs = now  # fresh copies of their own: loading copies them into the models
+        # fresh copies of their own: loading copies them into the models
+        for ref, state in zip(self.refs, now, strict=True):
+            ref.update({k: v for k, v in state.items() if averaged_part(k, dense, experts)})

@@ -148,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeat must be at least 1")
     if args.average_every < 1 or args.average_experts_every < 0 or args.average_delay < 0:
         ap.error("--average-every must be at least 1, --average-experts-every and --average-delay >= 0")
-    plain = args.average_outer == (1.0, 0.0) and not args.average_merge
-    plain = plain and args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
-    if (args.average_experts_every not in (0, args.average_every) or args.average_delay) and not plain:
-        ap.error("--average-experts-every and --average-delay average plainly: no codec, outer step, merge")
+    outer = args.average_outer != (1.0, 0.0)
+    lossless = args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
+    if args.average_experts_every not in (0, args.average_every) and outer:
+        ap.error("--average-experts-every takes no outer step (--average-outer)")
+    if args.average_delay and (outer or args.average_merge or not lossless):
+        ap.error("--average-delay averages plainly: no codec, outer step or merge")
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:

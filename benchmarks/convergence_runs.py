@@ -173,8 +173,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     refreshes the copies of those with one trainer, on an interval of their own: ``every`` is then the dense
     weights' alone, as ``sync.refresh_every`` spaces a swarm's refresh rounds. ``delay``: each average lands
     that many steps after its snapshots, the steps taken meanwhile kept (``LateAverages``), as a swarm's
-    rounds do while it trains on; the last step's average is synchronous, as its final agreement. Both
-    with plain averaging only."""
+    rounds do while it trains on; the last step's average is synchronous, as its final agreement. Split
+    intervals work with plain averaging, a codec or merges (each replica then merges only its own experts,
+    its copies refreshed at the next experts' average), late averages with plain averaging only."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import LateAverages, average_replicas, merge_replicas
@@ -205,8 +206,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
         averaging = OuterAverage(owned, n_exp, *outer)
     experts_every = experts_every or every
-    if (experts_every != every or delay) and (averaging or merge):
-        raise ValueError("experts averaged apart from the dense weights, or late: plain averaging only")
+    if experts_every != every and isinstance(averaging, OuterAverage):
+        raise ValueError("experts averaged apart from the dense weights: no outer step")
+    if delay and (averaging or merge):
+        raise ValueError("late averages: plain averaging only")
     late = LateAverages(owned, n_exp, delay) if delay else None
 
     def evaluate() -> float:
@@ -232,16 +235,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         elif dense_due or experts_due:
             if late:  # the last step: the rounds in flight land, then the final agreement
                 late.land(models, step + 1, everything=True)
-            if averaging:
+            if isinstance(averaging, CodedAverage):
+                averaging(models, dense=dense_due, experts=experts_due)
+            elif averaging:  # an outer step: always both parts (split intervals are refused above)
                 averaging(models)
             else:
                 average_replicas(models, owned, n_exp, dense=dense_due, experts=experts_due)
             rounds += 1
             sc = cfg.sync
             if merge and should_merge(step + 1, rounds, sc.merge_warmup_steps, sc.merge_every):
-                merge_replicas(
-                    models, merge_alpha_at(step + 1, sc.merge_alpha, sc.merge_warmup_steps), sc.merge_topk
-                )
+                alpha = merge_alpha_at(step + 1, sc.merge_alpha, sc.merge_warmup_steps)
+                merge_replicas(models, alpha, sc.merge_topk, owned if experts_every != every else None)
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))

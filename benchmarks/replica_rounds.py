@@ -18,18 +18,20 @@ from swarm.sync import merge_experts
 
 
 @torch.no_grad()
-def merge_replicas(models: list, alpha: float, topk: int) -> None:
+def merge_replicas(models: list, alpha: float, topk: int, owned: list[list[int]] | None = None) -> None:
     """The merge warm-up's step on every expert of every replica, each judged on the replica's own copies
     (after an average, every replica's): as if each holder merged its experts and the others' copies were
-    refreshed at once, where a swarm refreshes them in its next round."""
-    for m in models:
+    refreshed at once, where a swarm refreshes them in its next round. With ``owned``, replica ``i`` merges
+    only its own experts ``owned[i]`` and its copies wait for the next average of the experts, as a swarm's
+    do (``--average-experts-every``, where that average may be many steps away)."""
+    for i, m in enumerate(models):
         state = m.canonical_state_dict()
         for name in [n for n in state if n.endswith(".experts.gate_up")]:
             down = name.replace("gate_up", "down")
-            every = list(range(state[name].shape[0]))
+            local = owned[i] if owned is not None else list(range(state[name].shape[0]))
             device = state[name].device
-            gate_up, down_proj = merge_experts(state[name].cpu(), state[down].cpu(), every, alpha, topk)
-            state[name], state[down] = gate_up.to(device), down_proj.to(device)
+            gate_up, down_proj = merge_experts(state[name].cpu(), state[down].cpu(), local, alpha, topk)
+            state[name][local], state[down][local] = gate_up.to(device), down_proj.to(device)
         m.load_canonical_state_dict(state)
 
 
@@ -48,7 +50,9 @@ def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dic
     return merged
 
 
-def _in_part(name: str, dense: bool, experts: bool) -> bool:
+def averaged_part(name: str, dense: bool, experts: bool) -> bool:
+    """Whether a round of the dense weights (``dense``), of the experts (``experts``) or of both covers the
+    tensor ``name``."""
     return experts if ".experts." in name else dense
 
 
@@ -60,7 +64,7 @@ def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bo
     merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
     for m in models:
         state = m.canonical_state_dict()
-        state.update({k: v for k, v in merged.items() if _in_part(k, dense, experts)})
+        state.update({k: v for k, v in merged.items() if averaged_part(k, dense, experts)})
         m.load_canonical_state_dict(state)
 
 
@@ -85,7 +89,7 @@ class LateAverages:
     def start(self, models: list, step: int, dense: bool = True, experts: bool = True) -> None:
         snaps = [m.canonical_state_dict() for m in models]  # detached copies already
         means = replica_means(snaps, self.owned, self.n_exp)
-        names = [k for k in means if _in_part(k, dense, experts)]
+        names = [k for k in means if averaged_part(k, dense, experts)]
         self._in_flight.append((step + self.delay, names, snaps, means))
 
     @torch.no_grad()

@@ -276,6 +276,65 @@ def test_a_coded_average_is_the_plain_mean_within_the_codecs_error():
     assert worst > 0  # the codec did drop something: this is not the plain mean again
 
 
+def test_a_coded_average_of_one_part_leaves_the_other_and_its_reference_alone():
+    """coded_average with split intervals (``--average-experts-every`` with a codec): a round of the dense
+    weights leaves every expert bit for bit; the experts' next round still codes each change from the state
+    last agreed for them, so the replicas agree again, within the codec's error of their trainers' mean."""
+    import copy
+
+    import torch
+
+    from benchmarks.coded_average import CodedAverage
+    from benchmarks.replica_rounds import average_replicas
+    from swarm.config import ModelConfig
+    from swarm.model import MoETransformer
+    from swarm.sync.codecs import codec_named
+    from tests.conftest import TINY_CONFIG
+
+    mcfg = ModelConfig(**TINY_CONFIG["model"])
+    owned = [[0, 1], [1, 2], [3]]
+    models = []
+    for own in owned:
+        m = MoETransformer(mcfg, own)
+        m.init_weights(seed=0)
+        models.append(m)
+    coded = CodedAverage(codec_named("int8"), models, owned, mcfg.n_experts)
+    gen = torch.Generator().manual_seed(2)
+
+    def train() -> list[dict]:  # each replica's own steps
+        for m in models:
+            state = m.canonical_state_dict()
+            m.load_canonical_state_dict(
+                {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+            )
+        return [m.canonical_state_dict() for m in models]
+
+    before = train()
+    plain = [copy.deepcopy(m) for m in models]
+    average_replicas(plain, owned, mcfg.n_experts, experts=False)
+    coded(models, experts=False)
+    after = [m.canonical_state_dict() for m in models]
+    step = 0.01 * 5 / 127  # an int8 step for changes of about 5 sigma at most
+    for name, value in plain[0].canonical_state_dict().items():
+        if ".experts." in name:
+            assert all(torch.equal(a[name], b[name]) for a, b in zip(after, before, strict=True)), name
+        else:
+            assert all(float((a[name] - value).abs().max()) <= 2 * step for a in after), name
+    before = train()
+    plain = [copy.deepcopy(m) for m in models]
+    average_replicas(plain, owned, mcfg.n_experts, dense=False)
+    coded(models, dense=False)
+    after = [m.canonical_state_dict() for m in models]
+    for name, value in plain[0].canonical_state_dict().items():
+        if ".experts." not in name:
+            assert all(torch.equal(a[name], b[name]) for a, b in zip(after, before, strict=True)), name
+            continue
+        for e in range(4):  # two rounds of changes in one code: about twice the spread
+            for i, a in enumerate(after):
+                bound = (3 if e not in owned[i] else 2) * 2 * step
+                assert float((a[name][e] - value[e]).abs().max()) <= bound, (name, e, i)
+
+
 def test_stream_rate_plans_who_takes_from_whom_in_every_case():
     from benchmarks.stream_rate import parse_args, schedule, slot_s, takers
 

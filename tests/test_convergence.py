@@ -315,3 +315,49 @@ def test_merged_replicas_take_the_warm_up_step_on_every_expert():
             gu, dn = merge_experts(b[name], b[down], list(range(mcfg.n_experts)), 0.3, 2)
             assert not torch.allclose(gu, b[name])  # it moved
             assert torch.allclose(after[name], gu, atol=1e-6) and torch.allclose(after[down], dn, atol=1e-6)
+
+
+def test_merged_replicas_with_owners_move_only_their_own_experts():
+    """With ``owned`` (split intervals): a replica merges its own experts, judged on all its copies, and
+    leaves its copies of the others' as they were, for the next average of the experts to refresh."""
+    import torch
+
+    from benchmarks.replica_rounds import merge_replicas
+    from swarm.sync import merge_experts
+
+    mcfg, owned, models = _two_replicas()
+    before = [m.canonical_state_dict() for m in models]
+    merge_replicas(models, alpha=0.3, topk=2, owned=owned)
+    for own, b, m in zip(owned, before, models, strict=True):
+        after = m.canonical_state_dict()
+        for name in [n for n in b if n.endswith(".experts.gate_up")]:
+            down = name.replace("gate_up", "down")
+            gu, dn = merge_experts(b[name], b[down], own, 0.3, 2)
+            assert torch.allclose(after[name][own], gu, atol=1e-6) and torch.allclose(
+                after[down][own], dn, atol=1e-6
+            )
+            assert not torch.allclose(after[name][own], b[name][own])  # it moved
+            others = [e for e in range(mcfg.n_experts) if e not in own]
+            assert torch.equal(after[name][others], b[name][others]) and torch.equal(
+                after[down][others], b[down][others]
+            )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--average-experts-every", "4", "--average-outer", "0.7,0.9"],
+        ["--average-delay", "2", "--average-merge"],
+        ["--average-delay", "2", "--average-codec", "int8"],
+        ["--average-delay", "2", "--average-dense-codec", "int4"],
+        ["--average-delay", "-1"],
+    ],
+)
+def test_convergence_refuses_in_process_settings_it_does_not_model(flags, capsys):
+    """Split intervals take no outer step, late averages plain averaging only: anything else is a usage
+    error (rc 2) before any corpus is prepared."""
+    from benchmarks.convergence import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--rows", "every_step_spes", "--average-every", "2", *flags])
+    assert stop.value.code == 2 and "--average-" in capsys.readouterr().err
