@@ -361,3 +361,22 @@ def test_convergence_refuses_in_process_settings_it_does_not_model(flags, capsys
     with pytest.raises(SystemExit) as stop:
         main(["--rows", "every_step_spes", "--average-every", "2", *flags])
     assert stop.value.code == 2 and "--average-" in capsys.readouterr().err
+
+
+def test_split_intervals_run_through_a_codec_and_merges(tiny_config):
+    """run_every_step with split intervals, the int8 codec (dense int4) and merges trains and is judged; the
+    codec and the merges change its path from the plain split row's."""
+    from benchmarks.convergence_runs import run_every_step
+    from swarm.config import load_config
+
+    cfg = load_config(tiny_config, ["sync.merge_warmup_steps=8", "sync.merge_every=1"])
+    coded = {"codec": "int8", "dense_codec": "int4", "merge": True}
+    runs = {
+        kind: run_every_step(cfg, 6, peers=2, eval_every=6, every=2, own_experts=True, experts_every=4, **kw)
+        for kind, kw in {"plain": {}, "coded": coded}.items()
+    }
+    assert runs["plain"].name == "every_step_spes_every_2_experts_every_4"
+    assert runs["coded"].name == "every_step_spes_every_2_experts_every_4_int8_dense_int4_merge_0.5"
+    for res in runs.values():
+        assert math.isfinite(res.val_loss) and 0 < res.val_loss < 8.0, res
+    assert runs["coded"].val_loss != runs["plain"].val_loss
