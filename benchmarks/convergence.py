@@ -104,7 +104,7 @@ def row_overrides(name: str, cfg, diloco_scale: float = 2.0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from convergence_runs import prepare_corpus, run_central, run_every_step, run_swarm
+    from convergence_runs import prepare_corpus, run_central, run_every_step, run_swarm, unmodelled
 
     from swarm.config import load_config
 
@@ -148,12 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeat must be at least 1")
     if args.average_every < 1 or args.average_experts_every < 0 or args.average_delay < 0:
         ap.error("--average-every must be at least 1, --average-experts-every and --average-delay >= 0")
-    outer = args.average_outer != (1.0, 0.0)
     lossless = args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
-    if args.average_experts_every not in (0, args.average_every) and outer:
-        ap.error("--average-experts-every takes no outer step (--average-outer)")
-    if args.average_delay and (outer or args.average_merge or not lossless):
-        ap.error("--average-delay averages plainly: no codec, outer step or merge")
+    split = args.average_experts_every not in (0, args.average_every)
+    outer = args.average_outer != (1.0, 0.0)
+    if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless):
+        ap.error(why)
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:

@@ -155,6 +155,16 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
     return RunResult("central", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 
+def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool) -> str:
+    """Why ``run_every_step`` cannot model a combination of its settings (``--average-*``), or "": split
+    intervals take no outer step, late averages plain averaging only."""
+    if split and outer:
+        return "--average-experts-every takes no outer step (--average-outer)"
+    if delay and (outer or merge or not lossless):
+        return "--average-delay averages plainly: no codec, outer step or merge"
+    return ""
+
+
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
@@ -198,18 +208,15 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
     experts, dense = codec_named(codec), codec_named(dense_codec or codec)
-    averaging = (
-        None if experts.lossless and dense.lossless else CodedAverage(experts, models, owned, n_exp, dense)
-    )
+    lossless = experts.lossless and dense.lossless
+    averaging = None if lossless else CodedAverage(experts, models, owned, n_exp, dense)
     if outer != (1.0, 0.0):
         if averaging:
             raise ValueError("an outer optimizer with a lossy codec is not modelled here")
         averaging = OuterAverage(owned, n_exp, *outer)
     experts_every = experts_every or every
-    if experts_every != every and isinstance(averaging, OuterAverage):
-        raise ValueError("experts averaged apart from the dense weights: no outer step")
-    if delay and (averaging or merge):
-        raise ValueError("late averages: plain averaging only")
+    if why := unmodelled(experts_every != every, delay, outer != (1.0, 0.0), merge, lossless):
+        raise ValueError(why)
     late = LateAverages(owned, n_exp, delay) if delay else None
 
     def evaluate() -> float:
@@ -235,10 +242,8 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         elif dense_due or experts_due:
             if late:  # the last step: the rounds in flight land, then the final agreement
                 late.land(models, step + 1, everything=True)
-            if isinstance(averaging, CodedAverage):
+            if averaging:
                 averaging(models, dense=dense_due, experts=experts_due)
-            elif averaging:  # an outer step: always both parts (split intervals are refused above)
-                averaging(models)
             else:
                 average_replicas(models, owned, n_exp, dense=dense_due, experts=experts_due)
             rounds += 1

@@ -29,7 +29,9 @@ class OuterAverage:
         self.steps = [OuterStep(alpha, momentum) for _ in owned]
 
     @torch.no_grad()
-    def __call__(self, models: list) -> None:
+    def __call__(self, models: list, dense: bool = True, experts: bool = True) -> None:
+        if not (dense and experts):  # the outer step's momentum is kept for the whole model's progress
+            raise ValueError("an outer step averages the dense weights and the experts together")
         states = [m.canonical_state_dict() for m in models]
         means = replica_means(states, self.owned, self.n_experts)
         for state, own, step in zip(states, self.owned, self.steps, strict=True):
