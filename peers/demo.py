@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         _stop(peers, stop_bound)
         _stop([boot], 15)
     codec = codec_named(cfg.sync.codec)
-    summary = summarize(run_dirs, cfg.model.n_experts, codec, codec_named(cfg.sync.dense_codec_name))
+    summary = summarize(
+        run_dirs, cfg.model.n_experts, codec, codec_named(cfg.sync.dense_codec_name), cfg.sync.refresh_every
+    )
     print_summary(summary, formed)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     if interrupted:

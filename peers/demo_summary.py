@@ -26,10 +26,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def summarize(
-    run_dirs: list[Path], n_experts: int, codec: Codec = CODECS["fp32"], dense_codec: Codec | None = None
+    run_dirs: list[Path],
+    n_experts: int,
+    codec: Codec = CODECS["fp32"],
+    dense_codec: Codec | None = None,
+    refresh_every: int = 1,
 ) -> dict:
     """Per-peer validation loss, expert coverage, rounds completed and bytes per round (predicted for the
-    swarm's ``codec``, and ``dense_codec`` for the dense all-reduce: default ``codec``)."""
+    swarm's ``codec``, ``dense_codec`` for the dense all-reduce (default ``codec``), and the copies moving
+    every ``refresh_every``-th round: the mean over rounds, as measured)."""
     peers, holders = [], {e: 0 for e in range(n_experts)}
     for i, d in enumerate(run_dirs):
         recs = read_jsonl(d / "metrics.jsonl")
@@ -67,17 +72,19 @@ def summarize(
         "n_experts": n_experts,
         "holders": holders,
         "replicas": replica_spread(run_dirs, [p["experts"] for p in peers]),
+        "refresh_every": refresh_every,
         "predicted_bytes_per_round": predicted_bytes(
-            run_dirs, [p["experts"] for p in peers], codec, dense_codec or codec
+            run_dirs, [p["experts"] for p in peers], codec, dense_codec or codec, refresh_every
         ),
     }
 
 
 def predicted_bytes(
-    run_dirs: list[Path], experts: list[list[int]], codec: Codec, dense_codec: Codec
+    run_dirs: list[Path], experts: list[list[int]], codec: Codec, dense_codec: Codec, refresh_every: int = 1
 ) -> int | None:
-    """What the design predicts a peer moves per round (``swarm.sync.round_traffic``), for the tensors of
-    the first peer's last checkpoint and the experts each peer trained."""
+    """What the design predicts a peer moves per round, the mean over rounds of which every
+    ``refresh_every``-th moves the copies (``swarm.sync.round_traffic``), for the tensors of the first
+    peer's last checkpoint and the experts each peer trained."""
     from safetensors import safe_open
 
     from swarm.train.checkpoint import latest_checkpoint
@@ -89,7 +96,7 @@ def predicted_bytes(
         shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
     sizes = ModelBytes.of(shapes, codec, dense_codec)
     n_experts = next(shape[0] for key, shape in shapes.items() if ".experts." in key)
-    return RoundTraffic.of(sizes, experts, n_experts).per_peer
+    return int(RoundTraffic.of(sizes, experts, n_experts).mean_per_peer(refresh_every))
 
 
 def replica_spread(run_dirs: list[Path], experts: list[list[int]]) -> dict:
@@ -143,9 +150,11 @@ def print_summary(s: dict, formed_s: float | None) -> None:
     measured = [p["bytes_per_round"] for p in s["peers"] if p["bytes_per_round"]]
     if pred and measured:
         mean = sum(measured) / len(measured)
+        every = s.get("refresh_every", 1)
+        copies = f" (copies every {every} rounds)" if every > 1 else ""
         print(
             f"bytes per peer per round: measured {mean / 1e6:.2f} MB (I/O of each peer's p2pd from its first "
-            f"ordinary round to its last, mean over peers), design predicts {pred / 1e6:.2f} MB: "
+            f"ordinary round to its last, mean over peers), design predicts {pred / 1e6:.2f} MB{copies}: "
             f"ratio {mean / pred:.2f}"
         )
     missing = [e for e, c in s["holders"].items() if c == 0]

@@ -18,6 +18,8 @@ def test_the_count_follows_the_design_per_part_and_per_holder():
     # two holders per expert: each holder's all-reduce moves 4(2-1)/2 of an expert's bytes, for 2 experts
     two = RoundTraffic.of(sizes, [[0, 1], [2, 3], [0, 1], [2, 3]], 4)
     assert (two.dense, two.experts, two.copies, two.per_peer) == (300, 40, 20, 360)
+    # copies moved every 4th round (sync.refresh_every): a quarter of them per round, on the mean
+    assert (two.mean_per_peer(), two.mean_per_peer(4)) == (360, 345)
     one = RoundTraffic.of(sizes, [[0], [1], [2], [3]], 4)  # sole holders: copies of the three others
     assert (one.experts, one.copies) == (0, 2 * 3 * 5)
     assert one.link_seconds(100) == one.per_peer / 2 / 12.5e6

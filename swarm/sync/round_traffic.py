@@ -1,14 +1,16 @@
 """What one round moves per peer, predicted from the run config, and how long a link needs for it.
 
     traffic = round_traffic(cfg)             # 4 peers x 4 of 16 experts by default (E / per_peer peers)
-    traffic.per_peer                         # bytes a peer sends and receives in one round
+    traffic.per_peer                         # bytes a peer sends and receives in one (refresh) round
+    traffic.mean_per_peer(4)                 # per round, over many, with copies every 4th (refresh_every)
     traffic.link_seconds(100)                # the least time that takes over 100 Mbit/s each way
     slow_link_advice(cfg)                    # what to raise where a round cannot fit such a link, or None
 
 The design's count (``swarm-demo``'s summary sets it beside what its peers measured): the dense all-reduce
 (butterfly: 2(n-1)/n of the dense weights sent and as much received), each own expert's all-reduce among
 its r holders (4(r-1)/r of its bytes), and the non-local experts' copies, received by a peer and served by
-their holders (fp16 copies with a lossless codec, encoded changes with a lossy one). Each tensor at its
+their holders (fp16 copies with a lossless codec, encoded changes with a lossy one), which move only in
+refresh rounds (every ``sync.refresh_every``-th). Each tensor at its
 codec's size on the wire (``Codec.wire_bytes``). hivemind's framing and matchmaking add about 5% (a demo
 measured 7.61 MB a round against the 7.27 predicted).
 """
@@ -65,7 +67,13 @@ class RoundTraffic:
 
     @property
     def per_peer(self) -> int:
+        """A refresh round's bytes: the most any round moves (what a link and a round's timeout must fit)."""
         return self.dense + self.experts + self.copies
+
+    def mean_per_peer(self, refresh_every: int = 1) -> float:
+        """Bytes per round over many rounds when the copies move only in every ``refresh_every``-th
+        (``sync.refresh_every``): what a peer's link carries on average, round after round."""
+        return self.dense + self.experts + self.copies / refresh_every
 
     def link_seconds(self, mbit: float) -> float:
         """The least time the round takes on a link of ``mbit`` Mbit/s each way (half of it is sent)."""
