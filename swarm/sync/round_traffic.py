@@ -10,9 +10,9 @@ The design's count (``swarm-demo``'s summary sets it beside what its peers measu
 (butterfly: 2(n-1)/n of the dense weights sent and as much received), each own expert's all-reduce among
 its r holders (4(r-1)/r of its bytes), and the non-local experts' copies, received by a peer and served by
 their holders (fp16 copies with a lossless codec, encoded changes with a lossy one), which move only in
-refresh rounds (every ``sync.refresh_every``-th). Each tensor at its
-codec's size on the wire (``Codec.wire_bytes``). hivemind's framing and matchmaking add about 5% (a demo
-measured 7.61 MB a round against the 7.27 predicted).
+refresh rounds (every ``sync.refresh_every``-th). Each tensor at its codec's size on the wire
+(``Codec.wire_bytes``). hivemind's framing and matchmaking add about 5% (a demo measured 7.61 MB a round
+against the 7.27 predicted).
 """
 
 from __future__ import annotations
