@@ -156,8 +156,10 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
 
 
 def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool) -> str:
-    """Why ``run_every_step`` cannot model a combination of its settings (``--average-*``), or "": split
-    intervals take no outer step, late averages plain averaging only."""
+    """Why ``run_every_step`` cannot model a combination of its settings (``--average-*``), or "": an outer
+    step takes no lossy codec and no split intervals, late averages plain averaging only."""
+    if outer and not lossless:
+        return "--average-outer takes no lossy codec (--average-codec, --average-dense-codec)"
     if split and outer:
         return "--average-experts-every takes no outer step (--average-outer)"
     if delay and (outer or merge or not lossless):
@@ -197,6 +199,10 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     from swarm.train.optimizer import build_optimizer, set_lr
     from swarm.train.schedule import lr_at
 
+    experts, dense = codec_named(codec), codec_named(dense_codec or codec)
+    lossless, experts_every = experts.lossless and dense.lossless, experts_every or every
+    if why := unmodelled(experts_every != every, delay, outer != (1.0, 0.0), merge, lossless):
+        raise ValueError(why)
     t0, t, ds, n_exp = time.monotonic(), cfg.train, open_dataset(cfg, progress=False), cfg.model.n_experts
     per = min(n_exp, cfg.experts.per_peer or n_exp) if own_experts else n_exp
     owned = [sorted({(i * per + j) % n_exp for j in range(per)}) for i in range(peers)]
@@ -207,16 +213,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         models.append(m.to(device))
         opts.append(build_optimizer(m, t))
         samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
-    experts, dense = codec_named(codec), codec_named(dense_codec or codec)
-    lossless = experts.lossless and dense.lossless
     averaging = None if lossless else CodedAverage(experts, models, owned, n_exp, dense)
     if outer != (1.0, 0.0):
-        if averaging:
-            raise ValueError("an outer optimizer with a lossy codec is not modelled here")
         averaging = OuterAverage(owned, n_exp, *outer)
-    experts_every = experts_every or every
-    if why := unmodelled(experts_every != every, delay, outer != (1.0, 0.0), merge, lossless):
-        raise ValueError(why)
     late = LateAverages(owned, n_exp, delay) if delay else None
 
     def evaluate() -> float:

@@ -348,6 +348,7 @@ def test_merged_replicas_with_owners_move_only_their_own_experts():
     [
         ["--average-experts-every", "4", "--average-outer", "0.7,0.9"],
         ["--average-delay", "2", "--average-merge"],
+        ["--average-outer", "0.7,0.9", "--average-codec", "int8"],
         ["--average-delay", "2", "--average-codec", "int8"],
         ["--average-delay", "2", "--average-dense-codec", "int4"],
         ["--average-delay", "-1"],
