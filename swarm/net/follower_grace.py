@@ -1,4 +1,4 @@
-"""A follower that a leader has accepted waits a little past its own matchmaking deadline for the leader's
+"""A follower that a leader has accepted (or is accepting) waits a little past its own matchmaking deadline for the leader's
 begin message, instead of leaving a group that the leader has already counted it in.
 
     keep_accepted_followers(averager._matchmaking, grace_s=request_timeout)  # in the averager's process
@@ -11,8 +11,10 @@ with "could not find a group", while the leader and the rest of the group start 
 it: every other member then waits out the sender and reducer timeouts and gets a partial round (3 of 30
 convergence runs on 2 cores had a member counted so, by this race or by a begin message lost with its
 stream, ``stream_linger``; benchmarks/README.md). hivemind itself waits that message up to a request
-timeout past the leader's expiration; only the step's deadline cuts it short. Here the search still ends at
-the deadline for a peer that is not an accepted follower, so nothing else waits longer.
+timeout past the leader's expiration; only the step's deadline cuts it short. The same holds for a follower
+whose join request is still awaiting the leader's reply at its deadline: a leader counts a follower as it
+accepts it, before its ACCEPTED arrives. Here the search still ends at the deadline for a peer that is
+neither accepted nor asking, so nothing else waits longer.
 """
 
 from __future__ import annotations
@@ -38,10 +40,18 @@ class _LongerStep:
         return getattr(self._step, name)
 
 
+def _held_or_asking(matchmaking: Any) -> bool:
+    """A leader has accepted us, or our join request is still awaiting its reply: hivemind holds
+    ``lock_request_join_group`` from sending a request until the leader answers (``request_timeout`` at
+    most), and a leader that accepts has counted us before its ACCEPTED arrives. (The lock is also held
+    briefly while we, as a leader, answer or assemble; waiting then is harmless and bounded by the grace.)"""
+    return matchmaking.was_accepted_to_group.is_set() or matchmaking.lock_request_join_group.locked()
+
+
 def keep_accepted_followers(matchmaking: Any, grace_s: float) -> None:
     """Wrap ``matchmaking.look_for_group`` (hivemind's ``Matchmaking``, once): at the step's deadline a
-    search ends as before unless a leader has accepted us, in which case it waits up to ``grace_s`` more
-    for that leader to begin the group (or to let us go). Gives None when no group formed, as hivemind's
+    search ends as before unless a leader has accepted us or is answering our request, in which case it
+    waits up to ``grace_s`` more for that leader to begin the group (or to let us go). Gives None when no group formed, as hivemind's
     own does."""
     if getattr(matchmaking, "keeps_accepted_followers", False):
         return
@@ -52,7 +62,7 @@ def keep_accepted_followers(matchmaking: Any, grace_s: float) -> None:
         try:
             await asyncio.wait({search}, timeout=step.get_timeout())
             grace_end = time.monotonic() + grace_s
-            while not search.done() and matchmaking.was_accepted_to_group.is_set():
+            while not search.done() and _held_or_asking(matchmaking):
                 left = grace_end - time.monotonic()
                 if left <= 0:
                     break
