@@ -1,5 +1,5 @@
-"""A follower that a leader has accepted (or is accepting) waits a little past its own matchmaking deadline for the leader's
-begin message, instead of leaving a group that the leader has already counted it in.
+"""A follower that a leader has accepted (or is accepting) waits a little past its own matchmaking deadline
+for the leader's begin message, instead of leaving a group that the leader has already counted it in.
 
     keep_accepted_followers(averager._matchmaking, grace_s=request_timeout)  # in the averager's process
 
@@ -51,8 +51,8 @@ def _held_or_asking(matchmaking: Any) -> bool:
 def keep_accepted_followers(matchmaking: Any, grace_s: float) -> None:
     """Wrap ``matchmaking.look_for_group`` (hivemind's ``Matchmaking``, once): at the step's deadline a
     search ends as before unless a leader has accepted us or is answering our request, in which case it
-    waits up to ``grace_s`` more for that leader to begin the group (or to let us go). Gives None when no group formed, as hivemind's
-    own does."""
+    waits up to ``grace_s`` more for that leader to begin the group (or to let us go). Gives None when no
+    group formed, as hivemind's own does."""
     if getattr(matchmaking, "keeps_accepted_followers", False):
         return
     look = matchmaking.look_for_group
