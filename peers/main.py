@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
-import importlib
 import json
 import os
 import shlex
@@ -37,11 +36,13 @@ from swarm.model import BackendUnavailable
 from swarm.net.swarm_key import SwarmKeyError, add_swarm_key_args, swarm_key_args, swarm_key_from_args
 from swarm.train import CheckpointError, NoSync, Trainer
 from swarm.train.cpu_allocator import keep_freed_memory
+from swarm.train.import_ahead import ImportAhead
 from swarm.train.local_ranks import LocalRanks, collective_timeout_s
 from swarm.train.process_exit import exit_process
 from swarm.train.trainer import pick_device
 
 EXIT_BAD_INPUT = 2
+DYNAMO_IMPORT_WAIT_S = 120.0  # its seconds of CPU on a loaded machine, many times over
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,9 +152,11 @@ def _join_swarm(cfg: RunConfig, args: argparse.Namespace, trainer: Trainer, init
         cfg.data.seed = int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "little")
     # The optimizer's first add_param_group imports torch._dynamo, seconds of CPU: done while the claim
     # waits for simultaneous joiners instead of after it. Only after the DHT has forked its process (a child
-    # forked mid-import would inherit the module's lock held); set-up waits for the import to finish.
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
+    # forked mid-import would inherit the module's lock held); set-up (torch.compile) waits for it to end.
+    ahead = ImportAhead("torch._dynamo")
     local, peers = claim_experts(store, me, cfg)
+    if not ahead.wait(timeout=DYNAMO_IMPORT_WAIT_S):
+        print(f"warning: importing torch._dynamo took over {DYNAMO_IMPORT_WAIT_S:g} s", file=sys.stderr)
     trainer.setup(resume=args.resume, local_experts=local)
     apply_init_weights(trainer, init_state, args.init_from)  # before catching up: the swarm's weights win
     caught_up = None
