@@ -258,6 +258,29 @@ def test_checkpoints_are_also_written_on_the_wall_clock(config, tmp_path):
     assert all(b - a <= 2 for a, b in zip(steps, steps[1:], strict=False)), steps
 
 
+def test_a_set_up_failing_after_the_model_is_built_closes_and_shows_its_own_error(
+    config, tmp_path, monkeypatch
+):
+    """A failure injected in ``model.compile()`` (a CUDA peer died there of an import deadlock): ``close()``
+    in the caller's ``finally`` ends cleanly, so the set-up's own error is what the user sees."""
+    from swarm.config import load_config
+    from swarm.model import MoETransformer
+    from swarm.train.trainer import Trainer
+
+    def failing_compile(self, *args, **kwargs):
+        raise ImportError("injected at compile")
+
+    monkeypatch.setattr(MoETransformer, "compile", failing_compile)
+    trainer = Trainer(load_config(config, ["train.compile=true"]), tmp_path / "run", progress=False)
+    with pytest.raises(ImportError, match="injected at compile"):
+        try:
+            trainer.setup()
+        finally:
+            trainer.close()
+    assert trainer.model is not None  # it failed after the model was built
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_min_step_s_paces_the_steps_and_a_stop_request_ends_the_wait(config, tmp_path):
     """``train.min_step_s``: each step but the last lasts at least that long (the rest slept); Ctrl+C does
     not wait for the pause to end."""

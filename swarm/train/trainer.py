@@ -71,6 +71,7 @@ class Trainer:
         self.stop = stop
         self.step, self.tokens, self.ranks = 0, 0, ranks
         self.model: MoETransformer | None = None  # the raw model: rounds, evaluation, checkpoints use it
+        self.metrics: MetricsLog | NullMetrics = NullMetrics()  # until setup() has passed its checks
         self._saved_at = time.monotonic()  # of the last checkpoint (or the start): train.checkpoint_every_s
         self.evaluate_at_start = False  # a resumed peer that caught up with the swarm: its loss from there
         self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
@@ -393,5 +394,4 @@ class Trainer:
 
     def close(self) -> None:
         self.sync.close()
-        if self.model is not None:
-            self.metrics.close()
+        self.metrics.close()  # a set-up that failed half-way leaves the null log: its error is what shows
