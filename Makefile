@@ -21,8 +21,10 @@ demo: install
 # The suite in two parts (see tests/conftest.py): the rest on four workers (most of its time is spent waiting
 # on timeouts and child processes, so four fit 2 cores: 173-176 s against 184-190 s on three), then the
 # real-process swarms one at a time. Both parts always run; the exit status is the first failure's.
+# OMP_NUM_THREADS=1: the tests' processes (workers, peers, lm-eval) together outnumber the cores, and each
+# one's OpenMP threads would spin-wait for cores the others hold (part one: 201-215 s with it, 246 without).
 test: install
-	@status=0; \
+	@export OMP_NUM_THREADS=1; status=0; \
 	$(PYTHON) -m pytest -q --durations=8 -n 4 --dist loadscope -m "not swarm" || status=$$?; \
 	$(PYTHON) -m pytest -q --durations=8 -m swarm || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
 	exit $$status
