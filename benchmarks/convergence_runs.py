@@ -170,7 +170,7 @@ def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
-                   experts_every: int = 0, delay: int = 0) -> RunResult:  # fmt: skip
+                   experts_every: int = 0, delay: int = 0, moments: bool = False) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -187,11 +187,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     that many steps after its snapshots, the steps taken meanwhile kept (``LateAverages``), as a swarm's
     rounds do while it trains on; the last step's average is synchronous, as its final agreement. Split
     intervals work with plain averaging, a codec or merges (each replica then merges only its own experts,
-    its copies refreshed at the next experts' average), late averages with plain averaging only."""
+    its copies refreshed at the next experts' average), late averages with plain averaging only, and so do
+    ``moments``, which average the AdamW moments too (``average_moments``), of every expert only."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
-    from benchmarks.replica_rounds import LateAverages, average_replicas, merge_replicas
-    from swarm.data import WindowSampler
+    from benchmarks.replica_rounds import (
+        LateAverages,
+        average_moments,
+        average_replicas,
+        merge_replicas,
+        peer_samplers,
+    )
     from swarm.data.run_dataset import open_dataset
     from swarm.model import MoETransformer
     from swarm.sync import merge_alpha_at, should_merge
@@ -203,16 +209,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     lossless, experts_every = experts.lossless and dense.lossless, experts_every or every
     if why := unmodelled(experts_every != every, delay, outer != (1.0, 0.0), merge, lossless):
         raise ValueError(why)
+    if moments and (own_experts or outer != (1.0, 0.0) or not lossless or delay or experts_every != every):
+        raise ValueError("moments: plain, synchronous averages of every expert only")
     t0, t, ds, n_exp = time.monotonic(), cfg.train, open_dataset(cfg, progress=False), cfg.model.n_experts
     per = min(n_exp, cfg.experts.per_peer or n_exp) if own_experts else n_exp
     owned = [sorted({(i * per + j) % n_exp for j in range(per)}) for i in range(peers)]
-    models, opts, samplers = [], [], []
+    models, opts, samplers = [], [], peer_samplers(ds, cfg, peers)
     for i in range(peers):
         m = MoETransformer(cfg.model, owned[i], cfg.experts.frozen_dtype)
         m.init_weights(t.seed)
         models.append(m.to(device))
         opts.append(build_optimizer(m, t))
-        samplers.append(WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i))
     averaging = None if lossless else CodedAverage(experts, models, owned, n_exp, dense)
     if outer != (1.0, 0.0):
         averaging = OuterAverage(owned, n_exp, *outer)
@@ -245,6 +252,8 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
                 averaging(models, dense=dense_due, experts=experts_due)
             else:
                 average_replicas(models, owned, n_exp, dense=dense_due, experts=experts_due)
+                if moments:
+                    average_moments(opts)
             rounds += 1
             sc = cfg.sync
             if merge and should_merge(step + 1, rounds, sc.merge_warmup_steps, sc.merge_every):
@@ -261,6 +270,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     elif averaging is not None:
         name += f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
     name += f"_merge_{cfg.sync.merge_alpha:g}" if merge else ""
+    name += "_moments" if moments else ""
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
 
 

@@ -6,6 +6,7 @@ optimizer instead.
     average_replicas(models, owned, n_experts)    # every replica takes replica_means of all of them
     average_replicas(models, owned, n_experts, experts=False)   # of the dense weights only
     merge_replicas(models, alpha, topk)           # the merge warm-up's step on every replica's experts
+    average_moments(optimizers)                   # AdamW's two moments too, replicas that train alike
 
 ``owned[i]``: the experts replica ``i`` trains.
 """
@@ -15,6 +16,14 @@ from __future__ import annotations
 import torch
 
 from swarm.sync import merge_experts
+
+
+def peer_samplers(ds, cfg, peers: int) -> list:
+    """Each in-process peer's windows (``micro_batch`` of them a step), seeded by its index: the every_step
+    rows and data-parallel training (``update_averaging``) draw the very same ones."""
+    from swarm.data import WindowSampler
+
+    return [WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i) for i in range(peers)]
 
 
 @torch.no_grad()
@@ -66,6 +75,22 @@ def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bo
         state = m.canonical_state_dict()
         state.update({k: v for k, v in merged.items() if averaged_part(k, dense, experts)})
         m.load_canonical_state_dict(state)
+
+
+@torch.no_grad()
+def average_moments(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Every replica's AdamW moments (``exp_avg``, ``exp_avg_sq``) become their mean over the replicas, as
+    if their optimizer state had been averaged with the weights. The replicas must train the same
+    parameters (every expert, as the every_step row's do): their parameters are paired by position."""
+    params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+    if len({tuple(p.shape for p in ps) for ps in params}) != 1:
+        raise ValueError("average_moments: the replicas' parameters differ in number or shape")
+    for same in zip(*params, strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            slots = [opt.state[p][key] for opt, p in zip(optimizers, same, strict=True)]
+            mean = torch.stack(slots).mean(0)
+            for slot in slots:
+                slot.copy_(mean)
 
 
 class LateAverages:

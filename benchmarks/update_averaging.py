@@ -1,0 +1,138 @@
+"""Where the floor of parameter averaging comes from: four peers that average their weights after every
+AdamW step against the same peers averaging their gradients before one shared step.
+
+    python benchmarks/update_averaging.py                        # docs corpus, 140 steps, every mode (~9 min)
+    python benchmarks/update_averaging.py --steps 560 --json     # 4.6M tokens
+    python benchmarks/update_averaging.py --corpus stdlib --modes central gradients weights
+
+Every mode but central trains our model on the same windows (each peer's, as ``convergence.py``'s
+every_step row draws them), in this process, from the same initial weights; all are judged by the one
+evaluator of ``convergence_runs`` and compared with the centralized reference at equal tokens:
+
+    central     transformers' OlmoeForCausalLM on the peers' combined batch (``run_central``)
+    gradients   the peers' gradients averaged before one AdamW step: data-parallel training, which moves the
+                whole model's gradients every step
+    weights     each peer its own AdamW step on its own batch, the weights averaged after each: the every_step
+                row, the fastest any swarm of weight averages can round
+    moments     the same, with AdamW's two moments averaged too (twice the weights' bytes more per round)
+
+``gradients`` against ``central`` is what our model and the peers' windows cost; ``weights`` against
+``gradients`` is what averaging the results of separate AdamW steps costs, however often it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MODES = ("central", "gradients", "weights", "moments")
+
+
+def run_data_parallel(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu"):
+    """One replica of our model; each step the mean of the ``peers`` peers' losses (each on its own
+    ``micro_batch`` windows, drawn as the every_step row's peers draw them) is backpropagated, so that the
+    gradient is the peers' mean gradient, clipped and applied by one AdamW step, as data-parallel training
+    does."""
+    from convergence_runs import RunResult, heldout_loss, hf_model_from
+
+    from benchmarks.replica_rounds import peer_samplers
+    from swarm.data.run_dataset import open_dataset
+    from swarm.model import MoETransformer
+    from swarm.train.optimizer import build_optimizer, set_lr
+    from swarm.train.schedule import lr_at
+
+    t0, t, ds = time.monotonic(), cfg.train, open_dataset(cfg, progress=False)
+    model = MoETransformer(cfg.model, list(range(cfg.model.n_experts)), cfg.experts.frozen_dtype)
+    model.init_weights(t.seed)
+    model.to(device)
+    opt = build_optimizer(model, t)
+    samplers = peer_samplers(ds, cfg, peers)
+
+    def evaluate() -> float:
+        return heldout_loss(hf_model_from(cfg, model.canonical_state_dict()).to(device), cfg, device=device)
+
+    tokens, curve = 0, [(0, evaluate())]
+    for step in range(steps):
+        set_lr(opt, lr_at(step, t))
+        for sampler in samplers:
+            batch = sampler.next_batch().to(device)
+            (model(batch[:, :-1], targets=batch[:, 1:]).loss / peers).backward()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append((tokens, evaluate()))
+    return RunResult("gradients", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+
+
+def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
+    """One mode's run (``MODES``), its curve evaluated at eight points."""
+    from convergence_runs import run_central, run_every_step
+
+    every = max(1, steps // 8)
+    if mode == "central":
+        return run_central(cfg, steps, peers, every, device=device)
+    if mode == "gradients":
+        return run_data_parallel(cfg, steps, peers, every, device=device)
+    res = run_every_step(cfg, steps, peers, every, device=device, moments=mode == "moments")
+    res.name = mode
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from convergence import DOCS_CORPUS
+    from convergence_runs import prepare_corpus
+
+    from swarm.config import load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every mode")
+    ap.add_argument("--corpus", default=str(DOCS_CORPUS), help='a .xz/.txt file, a glob, or "stdlib"')
+    ap.add_argument("--corpus-mb", type=float, default=12.0, help="how much of a .xz/.txt corpus")
+    ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--json", action="store_true", help="one JSON object per mode")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.peers < 1:
+        ap.error("--steps and --peers must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="swarm-update-averaging-") as tmp:
+        data = prepare_corpus(args.corpus, Path(tmp) / "corpus", mb=args.corpus_mb)
+        sets = [
+            *args.set,
+            f"data.path={data}",
+            f"train.max_steps={args.steps}",
+            f"train.decay_steps={args.steps}",
+        ]
+        cfg = load_config(args.config, sets)
+        central = None
+        for mode in args.modes:
+            res = run_mode(mode, cfg, args.steps, args.peers, args.device)
+            central = res if mode == "central" else central
+            ratio = res.val_loss / central.val_loss if central else None
+            if args.json:
+                print(json.dumps({"mode": mode, "val_loss": res.val_loss, "ratio_to_central": ratio,
+                                  "tokens": res.tokens, "wall_s": res.wall_s, "curve": res.curve}), flush=True)  # fmt: skip
+            else:
+                of = f"x{ratio:.4f} of central" if ratio is not None else "(no central mode)"
+                print(f"{mode:>10}: val loss {res.val_loss:.4f}  {of}  {res.tokens:,} tokens  {res.wall_s:5.0f} s",
+                      flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""benchmarks/update_averaging.py: every mode trained and judged; data-parallel training differs from the
+every_step row only in what is averaged; averaged AdamW moments are exact means."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import TINY_CONFIG
+
+
+def _tiny_replicas(n: int):
+    from swarm.config import ModelConfig, TrainConfig
+    from swarm.model import MoETransformer
+    from swarm.train.optimizer import build_optimizer
+
+    mcfg, tcfg = ModelConfig(**TINY_CONFIG["model"]), TrainConfig(**TINY_CONFIG["train"])
+    models, opts = [], []
+    for i in range(n):
+        m = MoETransformer(mcfg, list(range(mcfg.n_experts)))
+        m.init_weights(seed=0)
+        x = torch.randint(0, mcfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(i))
+        opt = build_optimizer(m, tcfg)
+        m(x[:, :-1], targets=x[:, 1:]).loss.backward()  # each replica its own batch: moments differ
+        opt.step()
+        models.append(m)
+        opts.append(opt)
+    return models, opts
+
+
+def test_averaged_moments_are_the_replicas_mean_in_every_slot():
+    from benchmarks.replica_rounds import average_moments
+
+    models, opts = _tiny_replicas(3)
+    params = [[p for g in o.param_groups for p in g["params"]] for o in opts]
+    before = [
+        [{k: o.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")} for p in ps]
+        for o, ps in zip(opts, params, strict=True)
+    ]
+    assert not torch.equal(before[0][0]["exp_avg"], before[1][0]["exp_avg"])
+    average_moments(opts)
+    for j in range(len(params[0])):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mean = sum(b[j][key] for b in before) / 3
+            for o, ps in zip(opts, params, strict=True):
+                assert torch.allclose(o.state[ps[j]][key], mean, atol=1e-12, rtol=1e-6), (j, key)
+            assert torch.equal(opts[0].state[params[0][j]][key], opts[2].state[params[2][j]][key])
+    opts[2].param_groups[0]["params"] = opts[2].param_groups[0]["params"][1:]
+    with pytest.raises(ValueError, match="differ"):
+        average_moments(opts)
+
+
+def test_every_mode_runs_and_with_one_peer_they_all_train_alike(tiny_data, tmp_path, capsys):
+    """With one peer nothing is averaged, so data-parallel training, the every_step row and its moment
+    averaging must give the same loss to the bit (same windows, schedule, clipping and AdamW); with two,
+    averaging gradients and averaging weights must differ."""
+    from benchmarks.update_averaging import MODES, main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}))
+    runs = {}
+    for peers in (1, 2):
+        argv = [
+            "--config",
+            str(path),
+            "--corpus",
+            str(tiny_data),
+            "--steps",
+            "6",
+            "--peers",
+            str(peers),
+            "--json",
+        ]
+        assert main(argv) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert [r["mode"] for r in rows] == list(MODES)
+        assert rows[0]["ratio_to_central"] == 1.0
+        for r in rows:
+            assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < 8.0, r
+            assert (
+                r["tokens"] == 6 * peers * TINY_CONFIG["data"]["micro_batch"] * TINY_CONFIG["data"]["seq_len"]
+            )
+            assert r["curve"][-1][1] == r["val_loss"] and len(r["curve"]) >= 2
+        runs[peers] = {r["mode"]: r["val_loss"] for r in rows}
+    one, two = runs[1], runs[2]
+    assert one["gradients"] == one["weights"] == one["moments"], one
+    assert two["gradients"] != two["weights"] and two["weights"] != two["moments"], two
