@@ -103,19 +103,35 @@ def row_overrides(name: str, cfg, diloco_scale: float = 2.0) -> list[str]:
     }[name]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from convergence_runs import prepare_corpus, run_central, run_every_step, run_swarm, unmodelled
+def add_run_args(ap: argparse.ArgumentParser, each: str) -> None:
+    """The options of every in-process comparison (this script's, ``update_averaging.py``'s): the config
+    and its overrides (for every ``each``: row, mode), the corpus, steps per peer, peers."""
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=f"for every {each}")
+    ap.add_argument("--corpus", default=str(DOCS_CORPUS), help='a .xz/.txt file, a glob, or "stdlib"')
+    ap.add_argument("--corpus-mb", type=float, default=12.0, help="how much of a .xz/.txt corpus")
+    ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
+    ap.add_argument("--peers", type=int, default=4)
+
+
+def run_config(args: argparse.Namespace, steps: int, work: Path):
+    """The corpus prepared under ``work`` and the config every run trains with (its schedule over
+    ``steps``), with the overrides that made it."""
+    from convergence_runs import prepare_corpus
 
     from swarm.config import load_config
 
+    data = prepare_corpus(args.corpus, work / "corpus", mb=args.corpus_mb)
+    sets = [*args.set, f"data.path={data}", f"train.max_steps={steps}", f"train.decay_steps={steps}"]
+    return load_config(args.config, sets), sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    from convergence_runs import run_central, run_every_step, run_swarm, unmodelled
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every row")
-    ap.add_argument("--corpus", default=str(DOCS_CORPUS), help='a .xz/.txt file, a glob, or "stdlib"')
-    ap.add_argument("--corpus-mb", type=float, default=12.0, help="how much of a .xz/.txt corpus")
+    add_run_args(ap, "row")
     ap.add_argument("--rows", nargs="+", default=None, choices=ROWS + EXTRA_ROWS, help="default: every row")
-    ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
-    ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--transport", choices=("process", "local"), default="process")
     ap.add_argument("--average-every", type=int, default=1, help="the every_step rows' interval (steps)")
     ap.add_argument("--average-experts-every", type=int, default=0, metavar="N",
@@ -159,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     with tempfile.TemporaryDirectory(prefix="swarm-convergence-") as tmp:
         work = Path(args.keep or tmp)
-        data = prepare_corpus(args.corpus, work / "corpus", mb=args.corpus_mb)
-        sets = [*args.set, f"data.path={data}", f"train.max_steps={steps}", f"train.decay_steps={steps}"]
-        cfg = load_config(args.config, sets)
+        cfg, sets = run_config(args, steps, work)
         rows = list(args.rows)
         if "diloco_bytes" in rows:  # needs both measured first
             rows = [r for r in ROWS + EXTRA_ROWS if r in rows or r in ("swarm", "diloco_tokens")]

@@ -92,18 +92,10 @@ def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from convergence import DOCS_CORPUS
-    from convergence_runs import prepare_corpus
-
-    from swarm.config import load_config
+    from convergence import add_run_args, run_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every mode")
-    ap.add_argument("--corpus", default=str(DOCS_CORPUS), help='a .xz/.txt file, a glob, or "stdlib"')
-    ap.add_argument("--corpus-mb", type=float, default=12.0, help="how much of a .xz/.txt corpus")
-    ap.add_argument("--steps", type=int, default=140, help="optimizer steps per peer")
-    ap.add_argument("--peers", type=int, default=4)
+    add_run_args(ap, "mode")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", action="store_true", help="one JSON object per mode")
@@ -111,14 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.peers < 1:
         ap.error("--steps and --peers must be at least 1")
     with tempfile.TemporaryDirectory(prefix="swarm-update-averaging-") as tmp:
-        data = prepare_corpus(args.corpus, Path(tmp) / "corpus", mb=args.corpus_mb)
-        sets = [
-            *args.set,
-            f"data.path={data}",
-            f"train.max_steps={args.steps}",
-            f"train.decay_steps={args.steps}",
-        ]
-        cfg = load_config(args.config, sets)
+        cfg, _ = run_config(args, args.steps, Path(tmp))
         central = None
         for mode in args.modes:
             res = run_mode(mode, cfg, args.steps, args.peers, args.device)
