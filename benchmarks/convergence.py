@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = 60 if args.quick else args.steps
     if args.rows is None:
         args.rows = list(QUICK_ROWS if args.quick else ROWS)
-    if args.repeat < 1:
-        ap.error("--repeat must be at least 1")
+    if args.repeat < 1 or steps < 1 or args.peers < 1:
+        ap.error("--repeat, --steps and --peers must be at least 1")
     if args.average_every < 1 or args.average_experts_every < 0 or args.average_delay < 0:
         ap.error("--average-every must be at least 1, --average-experts-every and --average-delay >= 0")
     lossless = args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
