@@ -105,7 +105,8 @@ def hf_model_from(cfg, canonical: dict[str, torch.Tensor]):
 
     from swarm.model.hf_olmoe import olmoe_config, to_olmoe_state_dict
 
-    model = OlmoeForCausalLM(olmoe_config(cfg.model))
+    # no end-of-text token: only the held-out loss is asked of it (OLMoE's default id lies outside our vocab)
+    model = OlmoeForCausalLM(olmoe_config(cfg.model, eos_token_id=None))
     missing, unexpected = model.load_state_dict(to_olmoe_state_dict(canonical), strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:
         raise RuntimeError(f"export mapping: missing {missing}, unexpected {unexpected}")
@@ -120,10 +121,10 @@ def initial_canonical(cfg) -> dict[str, torch.Tensor]:
     return model.canonical_state_dict()
 
 
-def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu") -> RunResult:
+def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", sampler=None) -> RunResult:
     """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay, experts at
     ``train.expert_lr_scale`` times the rate, as the trainer's), the trainer's schedule and gradient
-    clipping; its loss is HF's own (LM + router aux loss)."""
+    clipping; its loss is HF's own (LM + router aux loss). ``sampler``: other windows (``next_batch``)."""
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.train.optimizer import adamw_groups, set_lr
@@ -135,7 +136,9 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
     model.config.output_router_logits = True
     opt = torch.optim.AdamW(adamw_groups(model.named_parameters(), t), lr=t.lr, betas=t.betas, eps=t.eps)
     batch = peers * cfg.data.micro_batch
-    sampler = WindowSampler(open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1)
+    sampler = sampler or WindowSampler(
+        open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1
+    )
     curve, tokens = [(0, heldout_loss(model, cfg, device=device))], 0
     model.train()
     for step in range(steps):

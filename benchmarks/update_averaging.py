@@ -12,12 +12,19 @@ evaluator of ``convergence_runs`` and compared with the centralized reference at
     central     transformers' OlmoeForCausalLM on the peers' combined batch (``run_central``)
     gradients   the peers' gradients averaged before one AdamW step: data-parallel training, which moves the
                 whole model's gradients every step
+    hf_pooled   central on the pooled windows of the peers (below) instead of its own: HF's model on the
+                very windows of ``pooled``, so the two differ by the model alone
+    pooled      the peers' windows in one forward pass and one AdamW step: the gradients mode but for the
+                load-balancing loss, which it pools over the combined batch (as central's is) instead of
+                averaging the peers' own; the same windows, so the two differ by that alone
     weights     each peer its own AdamW step on its own batch, the weights averaged after each: the every_step
                 row, the fastest any swarm of weight averages can round
     moments     the same, with AdamW's two moments averaged too (twice the weights' bytes more per round)
 
-``gradients`` against ``central`` is what our model and the peers' windows cost; ``weights`` against
-``gradients`` is what averaging the results of separate AdamW steps costs, however often it is done.
+``hf_pooled`` against ``central`` is what the peers' windows cost (a draw of the data), ``pooled`` against
+``hf_pooled`` what our model costs; ``gradients`` against ``pooled``
+what the load-balancing loss of each peer's batch costs; ``weights`` against ``gradients`` what averaging the
+results of separate AdamW steps costs, however often it is done.
 """
 
 from __future__ import annotations
@@ -35,14 +42,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-MODES = ("central", "gradients", "weights", "moments")
+MODES = ("central", "hf_pooled", "pooled", "gradients", "weights", "moments")
 
 
-def run_data_parallel(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu"):
+def run_data_parallel(
+    cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", pooled: bool = False
+):
     """One replica of our model; each step the mean of the ``peers`` peers' losses (each on its own
     ``micro_batch`` windows, drawn as the every_step row's peers draw them) is backpropagated, so that the
     gradient is the peers' mean gradient, clipped and applied by one AdamW step, as data-parallel training
-    does."""
+    does. ``pooled``: the peers' windows concatenated into one batch and one loss instead; the LM and z-loss
+    terms are means over tokens either way, so only the load-balancing term (a product of two batch means)
+    differs."""
     from convergence_runs import RunResult, heldout_loss, hf_model_from
 
     from benchmarks.replica_rounds import peer_samplers
@@ -64,9 +75,10 @@ def run_data_parallel(cfg, steps: int, peers: int, eval_every: int, device: str 
     tokens, curve = 0, [(0, evaluate())]
     for step in range(steps):
         set_lr(opt, lr_at(step, t))
-        for sampler in samplers:
-            batch = sampler.next_batch().to(device)
-            (model(batch[:, :-1], targets=batch[:, 1:]).loss / peers).backward()
+        batches = [s.next_batch().to(device) for s in samplers]
+        batches = [torch.cat(batches)] if pooled else batches
+        for batch in batches:
+            (model(batch[:, :-1], targets=batch[:, 1:]).loss / len(batches)).backward()
         if t.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), t.grad_clip)
         opt.step()
@@ -74,7 +86,19 @@ def run_data_parallel(cfg, steps: int, peers: int, eval_every: int, device: str 
         tokens += peers * cfg.data.micro_batch * cfg.data.seq_len
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append((tokens, evaluate()))
-    return RunResult("gradients", curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+    return RunResult(
+        "pooled" if pooled else "gradients", curve[-1][1], tokens, time.monotonic() - t0, curve=curve
+    )
+
+
+class PooledWindows:
+    """The peers' windows of a step (``peer_samplers``) as one batch: ``next_batch()`` as a sampler's."""
+
+    def __init__(self, samplers: list):
+        self.samplers = samplers
+
+    def next_batch(self) -> torch.Tensor:
+        return torch.cat([s.next_batch() for s in self.samplers])
 
 
 def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
@@ -84,8 +108,16 @@ def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
     every = max(1, steps // 8)
     if mode == "central":
         return run_central(cfg, steps, peers, every, device=device)
-    if mode == "gradients":
-        return run_data_parallel(cfg, steps, peers, every, device=device)
+    if mode == "hf_pooled":
+        from benchmarks.replica_rounds import peer_samplers
+        from swarm.data.run_dataset import open_dataset
+
+        windows = PooledWindows(peer_samplers(open_dataset(cfg, progress=False), cfg, peers))
+        res = run_central(cfg, steps, peers, every, device=device, sampler=windows)
+        res.name = mode
+        return res
+    if mode in ("gradients", "pooled"):
+        return run_data_parallel(cfg, steps, peers, every, device=device, pooled=mode == "pooled")
     res = run_every_step(cfg, steps, peers, every, device=device, moments=mode == "moments")
     res.name = mode
     return res

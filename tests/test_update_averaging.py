@@ -54,29 +54,26 @@ def test_averaged_moments_are_the_replicas_mean_in_every_slot():
         average_moments(opts)
 
 
+def _run_modes(config, data, peers: int, capsys, *extra: str) -> list[dict]:
+    from benchmarks.update_averaging import main
+
+    argv = ["--config", str(config), "--corpus", str(data), "--steps", "6", "--peers", str(peers), "--json"]
+    assert main([*argv, *extra]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
 def test_every_mode_runs_and_with_one_peer_they_all_train_alike(tiny_data, tmp_path, capsys):
-    """With one peer nothing is averaged, so data-parallel training, the every_step row and its moment
-    averaging must give the same loss to the bit (same windows, schedule, clipping and AdamW); with two,
-    averaging gradients and averaging weights must differ."""
-    from benchmarks.update_averaging import MODES, main
+    """With one peer nothing is averaged, so data-parallel training (pooled or not), the every_step row and
+    its moment averaging must give the same loss to the bit (same windows, schedule, clipping and AdamW);
+    with two, averaging gradients and averaging weights must differ, and so must pooling the batches, by
+    the load-balancing loss alone: without it, pooled and averaged gradients agree to rounding."""
+    from benchmarks.update_averaging import MODES
 
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump({**TINY_CONFIG, "data": {**TINY_CONFIG["data"], "path": str(tiny_data)}}))
     runs = {}
     for peers in (1, 2):
-        argv = [
-            "--config",
-            str(path),
-            "--corpus",
-            str(tiny_data),
-            "--steps",
-            "6",
-            "--peers",
-            str(peers),
-            "--json",
-        ]
-        assert main(argv) == 0
-        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        rows = _run_modes(path, tiny_data, peers, capsys)
         assert [r["mode"] for r in rows] == list(MODES)
         assert rows[0]["ratio_to_central"] == 1.0
         for r in rows:
@@ -87,5 +84,12 @@ def test_every_mode_runs_and_with_one_peer_they_all_train_alike(tiny_data, tmp_p
             assert r["curve"][-1][1] == r["val_loss"] and len(r["curve"]) >= 2
         runs[peers] = {r["mode"]: r["val_loss"] for r in rows}
     one, two = runs[1], runs[2]
-    assert one["gradients"] == one["weights"] == one["moments"], one
+    assert one["pooled"] == one["gradients"] == one["weights"] == one["moments"], one
     assert two["gradients"] != two["weights"] and two["weights"] != two["moments"], two
+    assert two["pooled"] != two["gradients"], two
+    rows = _run_modes(
+        path, tiny_data, 2, capsys, "--modes", "pooled", "gradients", "--set", "model.lb_loss_coef=0"
+    )
+    pooled, gradients = (r["val_loss"] for r in rows)
+    assert abs(pooled - gradients) < 1e-4, (pooled, gradients)
+    assert abs(two["pooled"] - two["gradients"]) > 10 * abs(pooled - gradients), (pooled, gradients, two)
