@@ -22,9 +22,9 @@ evaluator of ``convergence_runs`` and compared with the centralized reference at
     moments     the same, with AdamW's two moments averaged too (twice the weights' bytes more per round)
 
 ``hf_pooled`` against ``central`` is what the peers' windows cost (a draw of the data), ``pooled`` against
-``hf_pooled`` what our model costs; ``gradients`` against ``pooled``
-what the load-balancing loss of each peer's batch costs; ``weights`` against ``gradients`` what averaging the
-results of separate AdamW steps costs, however often it is done.
+``hf_pooled`` what our model costs, ``gradients`` against ``pooled`` what the load-balancing loss of each
+peer's batch costs, and ``weights`` against ``gradients`` what averaging the results of separate AdamW steps
+costs, however often it is done.
 """
 
 from __future__ import annotations
