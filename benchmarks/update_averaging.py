@@ -45,6 +45,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 MODES = ("central", "hf_pooled", "pooled", "gradients", "weights", "moments")
 
 
+class PooledWindows:
+    """The peers' windows of a step (``peer_samplers``) as one batch: ``next_batch()`` as a sampler's."""
+
+    def __init__(self, samplers: list):
+        self.samplers = samplers
+
+    def next_batch(self) -> torch.Tensor:
+        return torch.cat([s.next_batch() for s in self.samplers])
+
+
 def run_data_parallel(
     cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", pooled: bool = False
 ):
@@ -68,6 +78,7 @@ def run_data_parallel(
     model.to(device)
     opt = build_optimizer(model, t)
     samplers = peer_samplers(ds, cfg, peers)
+    samplers = [PooledWindows(samplers)] if pooled else samplers
 
     def evaluate() -> float:
         return heldout_loss(hf_model_from(cfg, model.canonical_state_dict()).to(device), cfg, device=device)
@@ -75,10 +86,9 @@ def run_data_parallel(
     tokens, curve = 0, [(0, evaluate())]
     for step in range(steps):
         set_lr(opt, lr_at(step, t))
-        batches = [s.next_batch().to(device) for s in samplers]
-        batches = [torch.cat(batches)] if pooled else batches
-        for batch in batches:
-            (model(batch[:, :-1], targets=batch[:, 1:]).loss / len(batches)).backward()
+        for sampler in samplers:
+            batch = sampler.next_batch().to(device)
+            (model(batch[:, :-1], targets=batch[:, 1:]).loss / len(samplers)).backward()
         if t.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), t.grad_clip)
         opt.step()
@@ -89,16 +99,6 @@ def run_data_parallel(
     return RunResult(
         "pooled" if pooled else "gradients", curve[-1][1], tokens, time.monotonic() - t0, curve=curve
     )
-
-
-class PooledWindows:
-    """The peers' windows of a step (``peer_samplers``) as one batch: ``next_batch()`` as a sampler's."""
-
-    def __init__(self, samplers: list):
-        self.samplers = samplers
-
-    def next_batch(self) -> torch.Tensor:
-        return torch.cat([s.next_batch() for s in self.samplers])
 
 
 def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
