@@ -121,10 +121,13 @@ def initial_canonical(cfg) -> dict[str, torch.Tensor]:
     return model.canonical_state_dict()
 
 
-def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", sampler=None) -> RunResult:
+def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", sampler=None,
+                draw: int = 0) -> RunResult:  # fmt: skip
     """``OlmoeForCausalLM`` on batches of ``peers x micro_batch`` windows: AdamW (matrices decay, experts at
     ``train.expert_lr_scale`` times the rate, as the trainer's), the trainer's schedule and gradient
-    clipping; its loss is HF's own (LM + router aux loss). ``sampler``: other windows (``next_batch``)."""
+    clipping; its loss is HF's own (LM + router aux loss). ``sampler``: other windows (``next_batch``);
+    ``draw``: the ``draw``-th draw of its own (``replica_rounds.draw_seed``)."""
+    from benchmarks.replica_rounds import draw_seed
     from swarm.data import WindowSampler
     from swarm.data.run_dataset import open_dataset
     from swarm.train.optimizer import adamw_groups, set_lr
@@ -137,7 +140,7 @@ def run_central(cfg, steps: int, peers: int, eval_every: int, device: str = "cpu
     opt = torch.optim.AdamW(adamw_groups(model.named_parameters(), t), lr=t.lr, betas=t.betas, eps=t.eps)
     batch = peers * cfg.data.micro_batch
     sampler = sampler or WindowSampler(
-        open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=t.seed + 1
+        open_dataset(cfg, progress=False), cfg.data.seq_len, batch, seed=draw_seed(t.seed + 1, draw)
     )
     curve, tokens = [(0, heldout_loss(model, cfg, device=device))], 0
     model.train()
@@ -173,7 +176,7 @@ def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
-                   experts_every: int = 0, delay: int = 0, moments: bool = False) -> RunResult:  # fmt: skip
+                   experts_every: int = 0, delay: int = 0, moments: bool = False, draw: int = 0) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -191,7 +194,8 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     rounds do while it trains on; the last step's average is synchronous, as its final agreement. Split
     intervals work with plain averaging, a codec or merges (each replica then merges only its own experts,
     its copies refreshed at the next experts' average), late averages with plain averaging only, and so do
-    ``moments``, which average the AdamW moments too (``average_moments``), of every expert only."""
+    ``moments``, which average the AdamW moments too (``average_moments``), of every expert only. ``draw``: the
+    peers' windows' draw (``peer_samplers``)."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import (
@@ -217,7 +221,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     t0, t, ds, n_exp = time.monotonic(), cfg.train, open_dataset(cfg, progress=False), cfg.model.n_experts
     per = min(n_exp, cfg.experts.per_peer or n_exp) if own_experts else n_exp
     owned = [sorted({(i * per + j) % n_exp for j in range(per)}) for i in range(peers)]
-    models, opts, samplers = [], [], peer_samplers(ds, cfg, peers)
+    models, opts, samplers = [], [], peer_samplers(ds, cfg, peers, draw)
     for i in range(peers):
         m = MoETransformer(cfg.model, owned[i], cfg.experts.frozen_dtype)
         m.init_weights(t.seed)

@@ -17,13 +17,26 @@ import torch
 
 from swarm.sync import merge_experts
 
+# A prime above every seed the in-process rows use (peers' 1000 + i, central's train.seed + 1), so that
+# no two draws, nor central and a peer, share a stream (a batch of 64 from a seed is four batches of 16).
+DRAW_STRIDE = 1_000_003
 
-def peer_samplers(ds, cfg, peers: int) -> list:
-    """Each in-process peer's windows (``micro_batch`` of them a step), seeded by its index: the every_step
-    rows and data-parallel training (``update_averaging``) draw the very same ones."""
+
+def draw_seed(seed: int, draw: int) -> int:
+    """A sampler's seed in the ``draw``-th draw of the data (0: the seeds every earlier result used)."""
+    if draw < 0:
+        raise ValueError(f"draw must be at least 0, got {draw}")
+    return seed + DRAW_STRIDE * draw
+
+
+def peer_samplers(ds, cfg, peers: int, draw: int = 0) -> list:
+    """Each in-process peer's windows (``micro_batch`` of them a step), seeded by its index and ``draw``
+    alone (not ``train.seed``): the every_step rows and data-parallel training (``update_averaging``) draw
+    the very same ones, whatever their initial weights."""
     from swarm.data import WindowSampler
 
-    return [WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=1000 + i) for i in range(peers)]
+    return [WindowSampler(ds, cfg.data.seq_len, cfg.data.micro_batch, seed=draw_seed(1000 + i, draw))
+            for i in range(peers)]  # fmt: skip
 
 
 @torch.no_grad()

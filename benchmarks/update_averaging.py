@@ -4,6 +4,7 @@ AdamW step against the same peers averaging their gradients before one shared st
     python benchmarks/update_averaging.py                        # docs corpus, 140 steps, every mode (~9 min)
     python benchmarks/update_averaging.py --steps 560 --json     # 4.6M tokens
     python benchmarks/update_averaging.py --corpus stdlib --modes central gradients weights
+    python benchmarks/update_averaging.py --steps 560 --modes central hf_pooled --draw 2   # another draw
 
 Every mode but central trains our model on the same windows (each peer's, as ``convergence.py``'s
 every_step row draws them), in this process, from the same initial weights; all are judged by the one
@@ -56,7 +57,7 @@ class PooledWindows:
 
 
 def run_data_parallel(
-    cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", pooled: bool = False
+    cfg, steps: int, peers: int, eval_every: int, device: str = "cpu", pooled: bool = False, draw: int = 0
 ):
     """One replica of our model; each step the mean of the ``peers`` peers' losses (each on its own
     ``micro_batch`` windows, drawn as the every_step row's peers draw them) is backpropagated, so that the
@@ -77,7 +78,7 @@ def run_data_parallel(
     model.init_weights(t.seed)
     model.to(device)
     opt = build_optimizer(model, t)
-    samplers = peer_samplers(ds, cfg, peers)
+    samplers = peer_samplers(ds, cfg, peers, draw)
     samplers = [PooledWindows(samplers)] if pooled else samplers
 
     def evaluate() -> float:
@@ -101,24 +102,25 @@ def run_data_parallel(
     )
 
 
-def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu"):
-    """One mode's run (``MODES``), its curve evaluated at eight points."""
+def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu", draw: int = 0):
+    """One mode's run (``MODES``), its curve evaluated at eight points, on the ``draw``-th draw of the
+    windows (central's own and the peers'; 0 the draw of every result before the option existed)."""
     from convergence_runs import run_central, run_every_step
 
     every = max(1, steps // 8)
     if mode == "central":
-        return run_central(cfg, steps, peers, every, device=device)
+        return run_central(cfg, steps, peers, every, device=device, draw=draw)
     if mode == "hf_pooled":
         from benchmarks.replica_rounds import peer_samplers
         from swarm.data.run_dataset import open_dataset
 
-        windows = PooledWindows(peer_samplers(open_dataset(cfg, progress=False), cfg, peers))
+        windows = PooledWindows(peer_samplers(open_dataset(cfg, progress=False), cfg, peers, draw))
         res = run_central(cfg, steps, peers, every, device=device, sampler=windows)
         res.name = mode
         return res
     if mode in ("gradients", "pooled"):
-        return run_data_parallel(cfg, steps, peers, every, device=device, pooled=mode == "pooled")
-    res = run_every_step(cfg, steps, peers, every, device=device, moments=mode == "moments")
+        return run_data_parallel(cfg, steps, peers, every, device=device, pooled=mode == "pooled", draw=draw)
+    res = run_every_step(cfg, steps, peers, every, device=device, moments=mode == "moments", draw=draw)
     res.name = mode
     return res
 
@@ -130,19 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(ap, "mode")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--draw", type=int, default=0, metavar="N",
+                    help="which draw of the training windows, central's and the peers' (default 0); the "
+                         "initial weights follow train.seed alone")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object per mode")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.peers < 1:
-        ap.error("--steps and --peers must be at least 1")
+    if args.steps < 1 or args.peers < 1 or args.draw < 0:
+        ap.error("--steps and --peers must be at least 1, --draw at least 0")
     with tempfile.TemporaryDirectory(prefix="swarm-update-averaging-") as tmp:
         cfg, _ = run_config(args, args.steps, Path(tmp))
         central = None
         for mode in args.modes:
-            res = run_mode(mode, cfg, args.steps, args.peers, args.device)
+            res = run_mode(mode, cfg, args.steps, args.peers, args.device, args.draw)
             central = res if mode == "central" else central
             ratio = res.val_loss / central.val_loss if central else None
             if args.json:
-                print(json.dumps({"mode": mode, "val_loss": res.val_loss, "ratio_to_central": ratio,
+                print(json.dumps({"mode": mode, "draw": args.draw, "val_loss": res.val_loss, "ratio_to_central": ratio,
                                   "tokens": res.tokens, "wall_s": res.wall_s, "curve": res.curve}), flush=True)  # fmt: skip
             else:
                 of = f"x{ratio:.4f} of central" if ratio is not None else "(no central mode)"

@@ -93,3 +93,35 @@ def test_every_mode_runs_and_with_one_peer_they_all_train_alike(tiny_data, tmp_p
     pooled, gradients = (r["val_loss"] for r in rows)
     assert abs(pooled - gradients) < 1e-4, (pooled, gradients)
     assert abs(two["pooled"] - two["gradients"]) > 10 * abs(pooled - gradients), (pooled, gradients, two)
+    drawn = _run_modes(path, tiny_data, 2, capsys, "--modes", "central", "weights", "--draw", "1")
+    assert [r["draw"] for r in drawn] == [1, 1]
+    again = _run_modes(path, tiny_data, 2, capsys, "--modes", "central", "weights", "--draw", "0")
+    assert [r["val_loss"] for r in again] == [two["central"], two["weights"]]  # 0: the default's windows
+    assert drawn[0]["val_loss"] != two["central"] and drawn[1]["val_loss"] != two["weights"], (drawn, two)
+
+
+def test_each_draw_gives_central_and_every_peer_windows_of_their_own(tiny_config):
+    """No two samplers of the in-process rows share a stream, across peers, draws and central (whose batch
+    from a peer's seed would be that peer's next batches laid end to end); draw 0 keeps the old seeds."""
+    from benchmarks.replica_rounds import draw_seed, peer_samplers
+    from swarm.config import load_config
+    from swarm.data import WindowSampler
+    from swarm.data.run_dataset import open_dataset
+
+    cfg = load_config(tiny_config)
+    ds = open_dataset(cfg, progress=False)
+    assert [s.seed for s in peer_samplers(ds, cfg, 3)] == [1000, 1001, 1002]
+    first = {}
+    for draw in (0, 1, 2):
+        central = WindowSampler(
+            ds, cfg.data.seq_len, cfg.data.micro_batch, draw_seed(cfg.train.seed + 1, draw)
+        )
+        first[("central", draw)] = central.next_batch()
+        for i, sampler in enumerate(peer_samplers(ds, cfg, 3, draw)):
+            first[(i, draw)] = sampler.next_batch()
+    batches = list(first.values())
+    for a in range(len(batches)):
+        for b in range(a):
+            assert not torch.equal(batches[a], batches[b]), (list(first)[a], list(first)[b])
+    with pytest.raises(ValueError, match="draw"):
+        draw_seed(0, -1)
