@@ -5,6 +5,8 @@ AdamW step against the same peers averaging their gradients before one shared st
     python benchmarks/update_averaging.py --steps 560 --json     # 4.6M tokens
     python benchmarks/update_averaging.py --corpus stdlib --modes central gradients weights
     python benchmarks/update_averaging.py --steps 560 --modes central hf_pooled --draw 2   # another draw
+    python benchmarks/update_averaging.py --steps 560 --draw 0 1 2 --json   # three draws, then a summary
+    python benchmarks/update_averaging.py --summarize d1.jsonl d2.jsonl     # the summary of earlier --json runs
 
 Every mode but central trains our model on the same windows (each peer's, as ``convergence.py``'s
 every_step row draws them), in this process, from the same initial weights; all are judged by the one
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -125,6 +128,63 @@ def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu", draw: 
     return res
 
 
+def summarize_draws(records: list[dict]) -> list[dict]:
+    """Per mode run on two draws or more (``records``: the ``--json`` lines of any runs, one per mode and
+    draw): mean, sample standard deviation and range of its validation loss, and against every other mode
+    run on the same draws the per-draw ratio (its loss over the other's on the same windows), mean and
+    standard deviation. A draw run twice for one mode is an error: the summary would count it twice."""
+    by_mode: dict[str, dict[int, float]] = {}
+    for r in records:
+        runs = by_mode.setdefault(r["mode"], {})
+        if r["draw"] in runs:
+            raise ValueError(f"mode {r['mode']!r} has draw {r['draw']} twice")
+        runs[r["draw"]] = float(r["val_loss"])
+    out = []
+    for mode, runs in by_mode.items():
+        if len(runs) < 2:
+            continue
+        losses = list(runs.values())
+        s = {"summary": mode, "draws": sorted(runs), "val_loss_mean": statistics.fmean(losses),
+             "val_loss_sd": statistics.stdev(losses), "val_loss_min": min(losses), "val_loss_max": max(losses)}  # fmt: skip
+        for other, theirs in by_mode.items():
+            shared = sorted(set(runs) & set(theirs))
+            if other != mode and len(shared) >= 2:
+                ratios = [runs[d] / theirs[d] for d in shared]
+                s[f"vs_{other}"] = {"draws": shared, "ratio_mean": statistics.fmean(ratios),
+                                    "ratio_sd": statistics.stdev(ratios)}  # fmt: skip
+        out.append(s)
+    return out
+
+
+def read_records(paths: list[str]) -> list[dict]:
+    """The per-mode lines of earlier ``--json`` runs (summary lines and anything else skipped)."""
+    records = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.startswith("{"):
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from None
+            if "mode" in r:
+                if not isinstance(r.get("draw"), int) or not isinstance(r.get("val_loss"), (int, float)):
+                    raise ValueError(f"{path}:{n}: a mode's line needs an integer draw and a val_loss")
+                records.append(r)
+    return records
+
+
+def print_summary(summaries: list[dict], as_json: bool) -> None:
+    for s in summaries:
+        if as_json:
+            print(json.dumps(s), flush=True)
+            continue
+        vs = "  ".join(f"/{k[3:]} {v['ratio_mean']:.4f} +- {v['ratio_sd']:.4f}" for k, v in s.items()
+                       if k.startswith("vs_"))  # fmt: skip
+        print(f"{s['summary']:>10}: {len(s['draws'])} draws, val loss {s['val_loss_mean']:.4f} +- "
+              f"{s['val_loss_sd']:.4f} ({s['val_loss_min']:.4f}..{s['val_loss_max']:.4f})  {vs}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from convergence import add_run_args, run_config
 
@@ -132,27 +192,43 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(ap, "mode")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--draw", type=int, default=0, metavar="N",
-                    help="which draw of the training windows, central's and the peers' (default 0); the "
-                         "initial weights follow train.seed alone")  # fmt: skip
-    ap.add_argument("--json", action="store_true", help="one JSON object per mode")
+    ap.add_argument("--draw", type=int, nargs="+", default=[0], metavar="N",
+                    help="which draws of the training windows, central's and the peers' (default 0); the "
+                         "initial weights follow train.seed alone; with two or more, a summary at the end")  # fmt: skip
+    ap.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSONL",
+        help="train nothing: the summary over the draws in these files of earlier --json runs",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object per mode and draw, then per summary")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.peers < 1 or args.draw < 0:
-        ap.error("--steps and --peers must be at least 1, --draw at least 0")
+    if args.summarize:
+        try:
+            print_summary(summarize_draws(read_records(args.summarize)), args.json)
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(str(exc))
+        return 0
+    if args.steps < 1 or args.peers < 1 or min(args.draw) < 0 or len(set(args.draw)) < len(args.draw):
+        ap.error("--steps and --peers must be at least 1, each --draw at least 0 and given once")
+    records = []
     with tempfile.TemporaryDirectory(prefix="swarm-update-averaging-") as tmp:
         cfg, _ = run_config(args, args.steps, Path(tmp))
-        central = None
-        for mode in args.modes:
-            res = run_mode(mode, cfg, args.steps, args.peers, args.device, args.draw)
-            central = res if mode == "central" else central
-            ratio = res.val_loss / central.val_loss if central else None
-            if args.json:
-                print(json.dumps({"mode": mode, "draw": args.draw, "val_loss": res.val_loss, "ratio_to_central": ratio,
-                                  "tokens": res.tokens, "wall_s": res.wall_s, "curve": res.curve}), flush=True)  # fmt: skip
-            else:
-                of = f"x{ratio:.4f} of central" if ratio is not None else "(no central mode)"
-                print(f"{mode:>10}: val loss {res.val_loss:.4f}  {of}  {res.tokens:,} tokens  {res.wall_s:5.0f} s",
-                      flush=True)  # fmt: skip
+        for draw in args.draw:
+            central = None
+            for mode in args.modes:
+                res = run_mode(mode, cfg, args.steps, args.peers, args.device, draw)
+                central = res if mode == "central" else central
+                ratio = res.val_loss / central.val_loss if central else None
+                records.append({"mode": mode, "draw": draw, "val_loss": res.val_loss, "ratio_to_central": ratio,
+                                "tokens": res.tokens, "wall_s": res.wall_s, "curve": res.curve})  # fmt: skip
+                if args.json:
+                    print(json.dumps(records[-1]), flush=True)
+                else:
+                    of = f"x{ratio:.4f} of central" if ratio is not None else "(no central mode)"
+                    print(f"{mode:>10}: draw {draw}  val loss {res.val_loss:.4f}  {of}  {res.tokens:,} tokens  "
+                          f"{res.wall_s:5.0f} s", flush=True)  # fmt: skip
+    print_summary(summarize_draws(records), args.json)
     return 0
 
 

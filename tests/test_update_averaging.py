@@ -93,11 +93,21 @@ def test_every_mode_runs_and_with_one_peer_they_all_train_alike(tiny_data, tmp_p
     pooled, gradients = (r["val_loss"] for r in rows)
     assert abs(pooled - gradients) < 1e-4, (pooled, gradients)
     assert abs(two["pooled"] - two["gradients"]) > 10 * abs(pooled - gradients), (pooled, gradients, two)
-    drawn = _run_modes(path, tiny_data, 2, capsys, "--modes", "central", "weights", "--draw", "1")
-    assert [r["draw"] for r in drawn] == [1, 1]
-    again = _run_modes(path, tiny_data, 2, capsys, "--modes", "central", "weights", "--draw", "0")
+    lines = _run_modes(path, tiny_data, 2, capsys, "--modes", "central", "weights", "--draw", "1", "0")
+    drawn, again = lines[:2], lines[2:4]
+    assert [(r["mode"], r["draw"]) for r in lines[:4]] == [
+        ("central", 1),
+        ("weights", 1),
+        ("central", 0),
+        ("weights", 0),
+    ]
     assert [r["val_loss"] for r in again] == [two["central"], two["weights"]]  # 0: the default's windows
     assert drawn[0]["val_loss"] != two["central"] and drawn[1]["val_loss"] != two["weights"], (drawn, two)
+    summaries = {s["summary"]: s for s in lines[4:]}
+    assert summaries.keys() == {"central", "weights"} and len(lines) == 6
+    assert summaries["weights"]["vs_central"]["ratio_mean"] == pytest.approx(
+        (drawn[1]["val_loss"] / drawn[0]["val_loss"] + again[1]["val_loss"] / again[0]["val_loss"]) / 2
+    )
 
 
 def test_each_draw_gives_central_and_every_peer_windows_of_their_own(tiny_config):
@@ -125,3 +135,35 @@ def test_each_draw_gives_central_and_every_peer_windows_of_their_own(tiny_config
             assert not torch.equal(batches[a], batches[b]), (list(first)[a], list(first)[b])
     with pytest.raises(ValueError, match="draw"):
         draw_seed(0, -1)
+
+
+def test_summary_over_draws_pairs_each_draw_and_reads_back_earlier_runs(tmp_path, capsys):
+    """The summary pairs modes draw by draw (a ratio of losses on the same windows), skips modes with one
+    draw, refuses a draw counted twice, and --summarize reads it all back from --json files."""
+    from benchmarks.update_averaging import main, summarize_draws
+
+    rows = [{"mode": "central", "draw": 0, "val_loss": 5.0}, {"mode": "weights", "draw": 0, "val_loss": 5.5},
+            {"mode": "central", "draw": 1, "val_loss": 4.0}, {"mode": "weights", "draw": 1, "val_loss": 4.2},
+            {"mode": "central", "draw": 2, "val_loss": 6.0}, {"mode": "pooled", "draw": 2, "val_loss": 6.1}]  # fmt: skip
+    summaries = {s["summary"]: s for s in summarize_draws(rows)}
+    assert summaries.keys() == {"central", "weights"}  # pooled ran on one draw
+    central, weights = summaries["central"], summaries["weights"]
+    assert central["draws"] == [0, 1, 2] and central["val_loss_mean"] == pytest.approx(5.0)
+    assert central["val_loss_sd"] == pytest.approx(1.0) and central["val_loss_min"] == 4.0
+    assert weights["vs_central"]["draws"] == [0, 1]
+    assert weights["vs_central"]["ratio_mean"] == pytest.approx((1.1 + 1.05) / 2)
+    assert weights["vs_central"]["ratio_sd"] == pytest.approx(0.05 / 2**0.5)
+    assert "vs_pooled" not in central  # one shared draw: no spread to give
+    with pytest.raises(ValueError, match="twice"):
+        summarize_draws(rows + [{"mode": "central", "draw": 1, "val_loss": 4.1}])
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\nprogress text\n")
+    second.write_text("\n".join(json.dumps(r) for r in rows[4:]) + "\n" + json.dumps(central) + "\n")
+    assert main(["--summarize", str(first), str(second), "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == summarize_draws(rows)
+    second.write_text('{"mode": "central", "draw": "one", "val_loss": 4.0}\n')
+    with pytest.raises(SystemExit):
+        main(["--summarize", str(first), str(second)])
+    assert "integer draw" in capsys.readouterr().err
