@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the every_step rows' outer step (outer_average; default 1,0: plain)")  # fmt: skip
     ap.add_argument("--average-merge", action="store_true",
                     help="the every_step rows merge as the swarm's warm-up does (sync.merge_*)")  # fmt: skip
+    ap.add_argument("--average-pooled-moment", action="store_true",
+                    help="the every_step rows' replicas step with PooledMomentAdamW: each one's second "
+                         "moment the pooled batch's, estimated from its batch's two halves")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="for the in-process rows: cpu or cuda")
     ap.add_argument("--quick", action="store_true", help=f"60 steps per peer; rows {', '.join(QUICK_ROWS)}")
     ap.add_argument("--out", default=None, help="directory for convergence.json and convergence.png")
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                                          dense_codec=args.average_dense_codec,
                                          outer=args.average_outer, merge=args.average_merge,
                                          experts_every=args.average_experts_every,
-                                         delay=args.average_delay)  # fmt: skip
+                                         delay=args.average_delay,
+                                         pooled_moment=args.average_pooled_moment)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})

@@ -176,7 +176,8 @@ def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool
 def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1, own_experts: bool = False,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
-                   experts_every: int = 0, delay: int = 0, moments: bool = False, draw: int = 0) -> RunResult:  # fmt: skip
+                   experts_every: int = 0, delay: int = 0, moments: bool = False, draw: int = 0,
+                   pooled_moment: bool = False) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -195,7 +196,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     intervals work with plain averaging, a codec or merges (each replica then merges only its own experts,
     its copies refreshed at the next experts' average), late averages with plain averaging only, and so do
     ``moments``, which average the AdamW moments too (``average_moments``), of every expert only. ``draw``: the
-    peers' windows' draw (``peer_samplers``)."""
+    peers' windows' draw (``peer_samplers``). ``pooled_moment``: each replica steps with ``PooledMomentAdamW`` on its
+    batch's two halves, its second moment the pooled batch's (a pool of ``peers`` for the dense weights, of
+    the holders for an expert)."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import (
@@ -210,6 +213,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     from swarm.sync import merge_alpha_at, should_merge
     from swarm.sync.codecs import codec_named
     from swarm.train.optimizer import build_optimizer, set_lr
+    from swarm.train.pooled_moment import clip_scale
     from swarm.train.schedule import lr_at
 
     experts, dense = codec_named(codec), codec_named(dense_codec or codec)
@@ -226,7 +230,11 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         m = MoETransformer(cfg.model, owned[i], cfg.experts.frozen_dtype)
         m.init_weights(t.seed)
         models.append(m.to(device))
-        opts.append(build_optimizer(m, t))
+        opts.append(
+            build_optimizer(m, t)
+            if not pooled_moment
+            else pooled_moment_optimizer(m, t, peers, peers * per / n_exp)
+        )
     averaging = None if lossless else CodedAverage(experts, models, owned, n_exp, dense)
     if outer != (1.0, 0.0):
         averaging = OuterAverage(owned, n_exp, *outer)
@@ -242,10 +250,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         for m, opt, sampler in zip(models, opts, samplers, strict=True):
             set_lr(opt, lr_at(step, t))
             batch = sampler.next_batch().to(device)
-            m(batch[:, :-1], targets=batch[:, 1:]).loss.backward()
-            if t.grad_clip:
-                torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), t.grad_clip)
-            opt.step()
+            if pooled_moment:
+                half = batch.shape[0] // 2
+                (m(batch[:half, :-1], targets=batch[:half, 1:]).loss / 2).backward()
+                opt.mark_half()
+                (m(batch[half:, :-1], targets=batch[half:, 1:]).loss / 2).backward()
+                opt.step(grad_scale=clip_scale(m.trainable_parameters(), t.grad_clip))
+            else:
+                m(batch[:, :-1], targets=batch[:, 1:]).loss.backward()
+                if t.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), t.grad_clip)
+                opt.step()
             opt.zero_grad(set_to_none=True)
         dense_due, experts_due = ((step + 1) % n == 0 or step + 1 == steps for n in (every, experts_every))
         if late and step + 1 < steps:
@@ -278,7 +293,22 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         name += f"_{codec}" + (f"_dense_{dense.name}" if dense.name != codec else "")
     name += f"_merge_{cfg.sync.merge_alpha:g}" if merge else ""
     name += "_moments" if moments else ""
+    name += "_pooled_moment" if pooled_moment else ""
     return RunResult(name, curve[-1][1], tokens, time.monotonic() - t0, curve=curve)
+
+
+def pooled_moment_optimizer(model, t, dense_pool: float, expert_pool: float):
+    """``PooledMomentAdamW`` over ``adamw_groups``: the dense groups' pool ``dense_pool``, the experts'
+    ``expert_pool``."""
+    from swarm.train.optimizer import adamw_groups
+    from swarm.train.pooled_moment import PooledMomentAdamW
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = {id(p) for n, p in named if ".experts." in n}
+    groups = adamw_groups(named, t)
+    for g in groups:
+        g["pool"] = expert_pool if id(g["params"][0]) in experts else dense_pool
+    return PooledMomentAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
 
 
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,

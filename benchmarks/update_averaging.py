@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-MODES = ("central", "hf_pooled", "pooled", "gradients", "weights", "moments")
+MODES = ("central", "hf_pooled", "pooled", "gradients", "weights", "moments", "pooled_moment")
 
 
 class PooledWindows:
@@ -123,7 +123,16 @@ def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu", draw: 
         return res
     if mode in ("gradients", "pooled"):
         return run_data_parallel(cfg, steps, peers, every, device=device, pooled=mode == "pooled", draw=draw)
-    res = run_every_step(cfg, steps, peers, every, device=device, moments=mode == "moments", draw=draw)
+    res = run_every_step(
+        cfg,
+        steps,
+        peers,
+        every,
+        device=device,
+        moments=mode == "moments",
+        draw=draw,
+        pooled_moment=mode == "pooled_moment",
+    )
     res.name = mode
     return res
 

@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+from swarm.train.pooled_moment import PooledMomentAdamW, clip_scale
+
+BETAS = (0.9, 0.95)
+
+
+def test_a_pool_of_one_is_torch_adamw():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(40, 10))
+    b = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
+    ours = PooledMomentAdamW([b], lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, pool=1)
+    for _ in range(30):
+        g = torch.randn(40, 10)
+        a.grad, b.grad = g.clone(), g / 2
+        ours.mark_half()  # a pool of 1 ignores the halves
+        b.grad = g.clone()
+        ref.step()
+        ours.step()
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def _displacement(kind: str, replicas: int = 4, steps: int = 100, n: int = 5000) -> float:
+    """The mean distance moved along the true gradient (1 on every coordinate) by replicas whose weights
+    are averaged after every step, each on its own batch of two halves with noise of sd 4 (sd 2 for the
+    batch's mean): ``central`` is one AdamW on the replicas' pooled gradient."""
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(replicas)]
+    if kind == "central":
+        opts = [torch.optim.AdamW([params[0]], lr=1e-3, betas=BETAS, weight_decay=0.0)]
+    elif kind == "adamw":
+        opts = [torch.optim.AdamW([p], lr=1e-3, betas=BETAS, weight_decay=0.0) for p in params]
+    else:
+        opts = [PooledMomentAdamW([p], lr=1e-3, betas=BETAS, pool=replicas) for p in params]
+    for _ in range(steps):
+        halves = 1.0 + 8**0.5 * torch.randn(replicas, 2, n, generator=gen)
+        if kind == "central":
+            params[0].grad = halves.mean(dim=(0, 1))
+            opts[0].step()
+            continue
+        for i, (p, opt) in enumerate(zip(params, opts, strict=True)):
+            p.grad = halves[i, 0] / 2
+            if kind == "pooled":
+                opt.mark_half()
+            p.grad = halves[i].mean(dim=0)
+            opt.step()
+        with torch.no_grad():
+            mean = torch.stack([p.detach() for p in params]).mean(dim=0)
+            for p in params:
+                p.copy_(mean)
+    return -float(params[0].detach().mean())
+
+
+def test_averaged_replicas_step_as_far_as_adamw_on_the_pooled_batch():
+    central = _displacement("central")
+    pooled = _displacement("pooled")
+    plain = _displacement("adamw")
+    # each replica's own second moment is (1 + 4) against the pooled batch's (1 + 1): sqrt(2/5) = 0.63
+    assert plain / central == pytest.approx(0.63, abs=0.05)
+    assert pooled / central == pytest.approx(1.0, abs=0.08)
+
+
+def test_clipping_after_the_half_scales_the_noise_estimate_too():
+    torch.manual_seed(0)
+    g, half = torch.randn(100), torch.randn(100) / 2
+    states = []
+    for scale in (1.0, 0.25):
+        p = torch.nn.Parameter(torch.zeros(100))
+        opt = PooledMomentAdamW([p], lr=1e-3, pool=4)
+        p.grad = half.clone()
+        opt.mark_half()
+        p.grad = g * scale  # what clipping leaves
+        opt.step(grad_scale=scale)
+        states.append(opt.state[p])
+    assert torch.allclose(states[1]["noise_sq"], states[0]["noise_sq"] * 0.25**2, rtol=1e-5)
+    assert torch.allclose(states[1]["exp_avg_sq"], states[0]["exp_avg_sq"] * 0.25**2, rtol=1e-5)
+
+
+def test_clip_scale_returns_the_factor_applied():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])  # norm 5
+    assert clip_scale([p], 1.0) == pytest.approx(0.2, rel=1e-5)
+    assert float(p.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    assert clip_scale([p], 10.0) == 1.0
+    assert clip_scale([p], 0.0) == 1.0
+
+
+def test_a_pool_below_one_is_refused():
+    with pytest.raises(ValueError, match="pool"):
+        PooledMomentAdamW([torch.nn.Parameter(torch.zeros(1))], pool=0.5)
