@@ -303,11 +303,9 @@ def pooled_moment_optimizer(model, t, dense_pool: float, expert_pool: float):
     from swarm.train.optimizer import adamw_groups
     from swarm.train.pooled_moment import PooledMomentAdamW
 
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = {id(p) for n, p in named if ".experts." in n}
-    groups = adamw_groups(named, t)
+    groups = adamw_groups([(n, p) for n, p in model.named_parameters() if p.requires_grad], t)
     for g in groups:
-        g["pool"] = expert_pool if id(g["params"][0]) in experts else dense_pool
+        g["pool"] = expert_pool if g["experts"] else dense_pool
     return PooledMomentAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
 
 

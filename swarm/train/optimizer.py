@@ -23,14 +23,15 @@ def build_optimizer(model: MoETransformer, t: TrainConfig) -> torch.optim.AdamW:
 
 def adamw_groups(named: Iterable[tuple[str, torch.nn.Parameter]], t: TrainConfig) -> list[dict[str, Any]]:
     """Parameter groups: matrices decay, norms do not, and experts (``.experts.`` in the name, ours or HF
-    OLMoE's) carry ``lr_scale`` = ``t.expert_lr_scale``, which ``set_lr`` applies. Empty groups left out."""
+    OLMoE's) carry ``lr_scale`` = ``t.expert_lr_scale``, which ``set_lr`` applies; every group says whether it
+    holds experts (``experts``). Empty groups left out."""
     decay, no_decay, experts = [], [], []
     for name, p in named:
         (experts if ".experts." in name else decay if p.dim() >= 2 else no_decay).append(p)
     groups = [
-        {"params": decay, "weight_decay": t.weight_decay, "lr_scale": 1.0},
-        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
-        {"params": experts, "weight_decay": t.weight_decay, "lr_scale": t.expert_lr_scale},
+        {"params": decay, "weight_decay": t.weight_decay, "lr_scale": 1.0, "experts": False},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0, "experts": False},
+        {"params": experts, "weight_decay": t.weight_decay, "lr_scale": t.expert_lr_scale, "experts": True},
     ]
     return [g for g in groups if g["params"]]
 
