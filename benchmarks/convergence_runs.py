@@ -298,15 +298,15 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
 
 
 def pooled_moment_optimizer(model, t, dense_pool: float, expert_pool: float):
-    """``PooledMomentAdamW`` over ``adamw_groups``: the dense groups' pool ``dense_pool``, the experts'
+    """``build_optimizer`` with ``train.pooled_moment`` on: the dense groups' pool ``dense_pool``, the experts'
     ``expert_pool``."""
-    from swarm.train.optimizer import adamw_groups
-    from swarm.train.pooled_moment import PooledMomentAdamW
+    from dataclasses import replace
 
-    groups = adamw_groups([(n, p) for n, p in model.named_parameters() if p.requires_grad], t)
-    for g in groups:
-        g["pool"] = expert_pool if g["experts"] else dense_pool
-    return PooledMomentAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+    from swarm.train.optimizer import build_optimizer
+
+    opt = build_optimizer(model, replace(t, pooled_moment=True))
+    opt.set_pools(dense_pool, expert_pool)
+    return opt
 
 
 def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers: int, work: Path,

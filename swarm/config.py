@@ -144,6 +144,11 @@ class TrainConfig:
     expert_lr_scale: float = 1.0
     grad_clip: float = 1.0
     grad_accum: int = 1
+    # each peer's AdamW divides by the second moment of the swarm's pooled batch instead of its own batch's
+    # (``swarm.train.pooled_moment``): its step's windows in two halves give the noise that the average
+    # of the peers removes. The pools (peers for the dense weights, holders for an expert) come from the
+    # swarm's view; a solo peer has a pool of 1, plain AdamW. Needs an even number of windows per step
+    pooled_moment: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     autocast_bf16: bool = True  # on CUDA only; CPU runs in fp32
@@ -308,6 +313,12 @@ class RunConfig:
         check(bool(self.run_id) and "." not in self.run_id, "run_id", "must be non-empty and contain no '.'")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", "must be <= model.max_seq_len")
         self.experts.resolve(self.model.n_experts)  # range checks that need the model shape
+        windows = self.data.micro_batch * self.train.grad_accum
+        check(
+            not self.train.pooled_moment or windows % 2 == 0,
+            "train.pooled_moment",
+            f"needs an even number of windows per step (data.micro_batch x train.grad_accum = {windows})",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

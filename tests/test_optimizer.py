@@ -5,6 +5,7 @@ import torch
 from swarm.config import ModelConfig, TrainConfig
 from swarm.model import MoETransformer
 from swarm.train import build_optimizer, set_lr
+from swarm.train.optimizer import load_optimizer_tensors, optimizer_tensors, remap_expert_moments
 
 SMALL = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_experts=8, expert_hidden=32, top_k=2)
 
@@ -42,3 +43,26 @@ def test_every_trainable_parameter_is_in_one_group_and_frozen_experts_in_none():
     scaled = [g for g in opt.param_groups if g["lr_scale"] != 1.0]
     assert len(scaled) == 1 and scaled[0]["lr"] == 8e-4
     assert {id(p) for p in scaled[0]["params"]} == {id(p) for p in model.local_expert_parameters().values()}
+
+
+def test_an_expert_switch_keeps_the_kept_experts_moments_and_noise_and_zeroes_the_newcomers():
+    """``train.pooled_moment``'s noise estimate moves with its expert like AdamW's moments."""
+    model = MoETransformer(ModelConfig(**SMALL), [1, 6], "float32")
+    model.init_weights(seed=3)
+    opt = build_optimizer(model, TrainConfig(pooled_moment=True))
+    opt.set_pools(4, 2)
+    x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    (model(x[:2, :-1], targets=x[:2, 1:]).loss / 2).backward()
+    opt.mark_half()
+    (model(x[2:, :-1], targets=x[2:, 1:]).loss / 2).backward()
+    opt.step()
+    flat = optimizer_tensors(model, opt)
+    banks = [k for k in flat if k.endswith("/noise_sq") and k.rpartition("/")[0].endswith("_local")]
+    assert banks and all(flat[k].abs().sum() > 0 for k in banks)
+    moved = remap_expert_moments(flat, [1, 6], [2, 6])  # 6 stays, now in row 1; 2 is new
+    for key in banks + [k.replace("noise_sq", "exp_avg") for k in banks]:
+        assert torch.equal(moved[key][1], flat[key][1]) and not moved[key][0].any(), key
+    model.set_local_experts([2, 6])
+    again = build_optimizer(model, TrainConfig(pooled_moment=True))
+    load_optimizer_tensors(model, again, moved)
+    assert torch.equal(optimizer_tensors(model, again)[banks[0]], moved[banks[0]])

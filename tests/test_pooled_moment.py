@@ -1,7 +1,14 @@
+from pathlib import Path
+
 import pytest
 import torch
 
+from swarm.config import ConfigError, load_config
+from swarm.train import Trainer, load_checkpoint
+from swarm.train.checkpoint import latest_checkpoint
 from swarm.train.pooled_moment import PooledMomentAdamW, clip_scale
+from swarm.train.sync_hook import Pools, SyncReply
+from tests.trainer_fixtures import _losses
 
 BETAS = (0.9, 0.95)
 
@@ -90,3 +97,69 @@ def test_clip_scale_returns_the_factor_applied():
 def test_a_pool_below_one_is_refused():
     with pytest.raises(ValueError, match="pool"):
         PooledMomentAdamW([torch.nn.Parameter(torch.zeros(1))], pool=0.5)
+
+
+def test_set_pools_sizes_each_group_by_its_experts_tag_and_zero_grad_drops_an_unused_half():
+    dense, expert = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt = PooledMomentAdamW([{"params": [dense], "experts": False}, {"params": [expert], "experts": True}])
+    opt.set_pools(4, 2)
+    assert [g["pool"] for g in opt.param_groups] == [4.0, 2.0]
+    opt.set_pools(0, 1)  # never below one replica
+    assert [g["pool"] for g in opt.param_groups] == [1.0, 1.0]
+    dense.grad = torch.ones(3)
+    opt.mark_half()
+    opt.zero_grad()  # a skipped step: its half must not pair with the next step's gradient
+    assert "half" not in opt.state[dense]
+
+
+class _Pools:
+    """A sync hook that says four peers train and two hold our experts."""
+
+    def after_step(self, model, report):
+        return SyncReply(pools=Pools(dense=4, experts=2))
+
+    def last_round(self, model, report):
+        return []
+
+    def experts_changed(self, model):
+        pass
+
+    def close(self):
+        pass
+
+
+def _train(config: Path, run_dir: Path, steps: int, overrides: list[str], resume: bool = False) -> Trainer:
+    trainer = Trainer(load_config(config, overrides), run_dir, sync=_Pools(), progress=False)
+    trainer.setup(resume=resume)
+    try:
+        trainer.train(max_steps=steps)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_a_trainer_with_pooled_moment_takes_the_hooks_pools_learns_and_resumes_exactly(tiny_config, tmp_path):
+    """The tiny config (micro-batch 4, one accumulation step): each step's two halves of 2 windows."""
+    on = ["train.pooled_moment=true", "train.checkpoint_every=6", "train.eval_every=6"]
+    full = _train(tiny_config, tmp_path / "full", 12, on)
+    assert [g["pool"] for g in full.optimizer.param_groups] == [2.0 if g["experts"] else 4.0
+                                                                for g in full.optimizer.param_groups]  # fmt: skip
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path / "full" / "checkpoints"))
+    noise = {k: v for k, v in ckpt.optimizer.items() if k.endswith("/noise_sq")}
+    assert noise and all(torch.isfinite(v).all() and (v >= 0).all() for v in noise.values())
+    assert any(k.startswith("experts_") or "_local" in k for k in noise)  # experts pooled too (2 holders)
+    assert ckpt.state["pools"] == [4, 2]
+    losses = _losses(tmp_path / "full")
+    assert losses[12] < losses[1]
+    _train(tiny_config, tmp_path / "split", 6, on)
+    _train(tiny_config, tmp_path / "split", 12, on, resume=True)
+    resumed = _losses(tmp_path / "split")
+    assert [resumed[s] for s in range(7, 13)] == [losses[s] for s in range(7, 13)]
+    plain = _losses(_train(tiny_config, tmp_path / "plain", 12, on[1:]).run_dir)
+    assert plain[12] != losses[12]
+
+
+def test_pooled_moment_needs_an_even_number_of_windows_per_step(tiny_config):
+    with pytest.raises(ConfigError, match="train.pooled_moment: needs an even number"):
+        load_config(tiny_config, ["train.pooled_moment=true", "data.micro_batch=3"])
+    load_config(tiny_config, ["train.pooled_moment=true", "data.micro_batch=3", "train.grad_accum=2"])

@@ -13,7 +13,7 @@ from swarm.net.local_transport import Fault, LocalNetwork
 from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.round_info import REFERENCES_DIFFER
 from swarm.sync.codecs import codec_named
-from swarm.train.sync_hook import StepReport
+from swarm.train.sync_hook import Pools, StepReport
 from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run
 
 pytestmark = pytest.mark.timeout(90)
@@ -270,3 +270,25 @@ def test_a_peer_whose_last_step_comes_after_it_met_a_round_early_still_takes_par
     finally:
         for _, s in peers.values():
             s.close()
+
+
+def test_the_reply_says_how_many_peers_train_and_how_many_hold_our_experts():
+    """``train.pooled_moment``'s pools: a joiner (not averaging yet) counts for neither."""
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    joining = Heartbeat(experts=[0, 1], state="joining", period_s=SYNC.heartbeat_s)
+    publish_heartbeat(net.store("j"), "t", "j", joining, ttl_s=60.0)
+    peers = {me: peer(net, me, experts, seed=i) for i, (me, experts) in enumerate(
+        {"a": [0, 1], "b": [0, 1], "c": [2, 3]}.items())}  # fmt: skip
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+    try:
+        for _, sync in peers.values():
+            sync.members.refresh(timeout=1.0)
+        for _, sync in peers.values():
+            sync.members.refresh(timeout=1.0)  # now every record is out: each view has all four
+        pools = {
+            me: s.after_step(m, StepReport(1, 64, 64, tokens, 1.0)).pools for me, (m, s) in peers.items()
+        }
+        assert pools == {"a": Pools(3, 2), "b": Pools(3, 2), "c": Pools(3, 1)}
+    finally:
+        for _, sync in peers.values():
+            sync.close()

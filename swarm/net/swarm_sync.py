@@ -33,7 +33,7 @@ from swarm.net.timing import Timing
 from swarm.net.transport import GroupTransport, Store
 from swarm.sync import OuterStep
 from swarm.train.round_record import RoundRecord
-from swarm.train.sync_hook import StepReport, SyncReply
+from swarm.train.sync_hook import Pools, StepReport, SyncReply
 
 PLAIN = OuterStep()  # keeps no state: one for every peer
 IN_FLIGHT = "previous round still in flight"
@@ -126,7 +126,14 @@ class SwarmSync:
             early.cancel()
         if not point and not report.last:
             self._meet_early(model, report)
-        return SyncReply(records, self.members.claimed)
+        return SyncReply(records, self.members.claimed, self._pools(model))
+
+    def _pools(self, model: MoETransformer) -> Pools:
+        """The peers that average with us as of the latest view: all that train, and our experts' holders."""
+        view, me = self.members.view, self.ctx.me
+        live = {me, *view.partners(me)}
+        held = [len(view.holders.get(e, frozenset()) & live) for e in model.local_experts]
+        return Pools(dense=len(live), experts=max(1, min(held, default=1)))
 
     def _meet_early(self, model: MoETransformer, report: StepReport) -> None:
         """With ``sync.prematch_s``, meet the next slot's groups ``prematch_window_s`` before it, unless a round

@@ -10,12 +10,19 @@ import torch
 from swarm.config import TrainConfig
 from swarm.model import MoETransformer
 from swarm.train.checkpoint import CheckpointError
+from swarm.train.pooled_moment import PooledMomentAdamW
+
+# per-parameter state with the parameter's shape (PooledMomentAdamW adds its noise estimate)
+MOMENT_SLOTS = ("exp_avg", "exp_avg_sq", "noise_sq")
 
 
-def build_optimizer(model: MoETransformer, t: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: MoETransformer, t: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over trainable parameters only, in ``adamw_groups``. On CUDA the fused kernel (one launch for
-    all parameters; the for-each version took 20% of a spes-1b step on an H100)."""
+    all parameters; the for-each version took 20% of a spes-1b step on an H100). With ``t.pooled_moment``,
+    ``PooledMomentAdamW`` (pools of 1 until ``set_pools``)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if t.pooled_moment:
+        return PooledMomentAdamW(adamw_groups(trainable, t), lr=t.lr, betas=t.betas, eps=t.eps)
     fused = all(p.is_cuda for _, p in trainable)
     kind = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(adamw_groups(trainable, t), lr=t.lr, betas=t.betas, eps=t.eps, **kind)
@@ -64,12 +71,12 @@ def load_optimizer_tensors(
         name, _, slot = key.rpartition("/")
         if name not in params:
             raise CheckpointError(f"optimizer state for unknown parameter {name}")
-        if slot in ("exp_avg", "exp_avg_sq"):
+        if slot in MOMENT_SLOTS:
             value = model.padded(name, value)
         state.setdefault(name, {})[slot] = value
     for name, st in state.items():
         p = params[name]
-        for slot in ("exp_avg", "exp_avg_sq"):
+        for slot in MOMENT_SLOTS:
             if slot in st and st[slot].shape != p.shape:
                 raise CheckpointError(f"optimizer state {name}/{slot} has shape {tuple(st[slot].shape)}")
         # the step counter stays on the CPU, except for the fused kernel that reads it on the device
@@ -87,7 +94,7 @@ def remap_expert_moments(
     out = {}
     for key, value in flat.items():
         name, _, slot = key.rpartition("/")
-        if name.endswith("_local") and slot in ("exp_avg", "exp_avg_sq"):
+        if name.endswith("_local") and slot in MOMENT_SLOTS:
             rows = torch.zeros((len(new_ids), *value.shape[1:]), dtype=value.dtype, device=value.device)
             for i, e in enumerate(new_ids):
                 if e in old_ids:

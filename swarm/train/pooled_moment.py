@@ -16,7 +16,9 @@ divides by the pooled batch's second moment without sending anything more::
     opt.step(grad_scale=scale)
 
 A group's ``pool`` (default the constructor's) is how many replicas average its parameters: an expert that
-one peer trains has a pool of 1, which is plain AdamW. A step without ``mark_half`` is plain AdamW too.
+one peer trains has a pool of 1, which is plain AdamW. ``set_pools(dense, experts)`` sets them by the groups'
+``experts`` tag (``adamw_groups``), as a swarm's membership changes. A step without ``mark_half`` leaves the
+noise estimate as it is; ``zero_grad`` drops a kept half that no step used (a skipped step).
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ class PooledMomentAdamW(torch.optim.Optimizer):
         super().__init__(
             params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "pool": pool}
         )
+
+    def set_pools(self, dense: float, experts: float) -> None:
+        """The replicas that average each group: ``experts`` for groups tagged ``experts``, else ``dense``."""
+        for group in self.param_groups:
+            group["pool"] = max(1.0, float(experts if group.get("experts") else dense))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for st in self.state.values():
+            st.pop("half", None)
 
     @torch.no_grad()
     def mark_half(self) -> None:

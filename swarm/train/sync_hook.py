@@ -29,13 +29,23 @@ class StepReport:
 
 
 @dataclass(frozen=True)
+class Pools:
+    """How many replicas average this peer's weights: the peers training (its dense weights), the holders
+    of its experts (the fewest of any of them). ``train.pooled_moment`` sizes AdamW's second moment by it."""
+
+    dense: int = 1
+    experts: int = 1
+
+
+@dataclass(frozen=True)
 class SyncReply:
     """What the hook hands back after a step: round records to log, and the experts the swarm wants this
     peer to train from now on (an orphan re-claim), or None. The trainer switches, then calls
-    ``experts_changed``."""
+    ``experts_changed``. ``pools``: the swarm as the hook sees it now (None: unchanged)."""
 
     records: list[RoundRecord] = field(default_factory=list)
     switch_to: list[int] | None = None
+    pools: Pools | None = None
 
 
 class SyncHook(Protocol):

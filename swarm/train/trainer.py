@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from swarm.config import ConfigError, RunConfig, load_config, save_config
+from swarm.config import ConfigError, RunConfig, save_config
 from swarm.data import (
     WindowSampler,
     validation_batches,
 )
 from swarm.data.run_dataset import open_dataset
 from swarm.model import MoETransformer, check_backend
-from swarm.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from swarm.train.checkpoint import CheckpointError, save_checkpoint
 from swarm.train.local_ranks import LocalRanks, NullMetrics
 from swarm.train.metrics_log import MetricsLog
 from swarm.train.optimizer import (
@@ -43,8 +43,11 @@ from swarm.train.optimizer import (
     remap_expert_moments,
     set_lr,
 )
+from swarm.train.pooled_moment import PooledMomentAdamW
+from swarm.train.run_dir import check_run_dir, find_checkpoint
 from swarm.train.schedule import lr_at
-from swarm.train.sync_hook import NoSync, StepReport, SyncHook
+from swarm.train.step_batches import step_batches
+from swarm.train.sync_hook import NoSync, Pools, StepReport, SyncHook
 
 
 def pick_device(name: str) -> torch.device:
@@ -75,6 +78,7 @@ class Trainer:
         self._saved_at = time.monotonic()  # of the last checkpoint (or the start): train.checkpoint_every_s
         self.evaluate_at_start = False  # a resumed peer that caught up with the swarm: its loss from there
         self._ddp: torch.nn.Module | None = None  # DDP around it for the training forward/backward
+        self.pools = Pools()  # who averages our weights, as the sync hook last said (train.pooled_moment)
 
     @property
     def is_leader(self) -> bool:
@@ -90,15 +94,18 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.device = self.ranks.device if self.ranks is not None else pick_device(cfg.train.device)
         check_backend(cfg.model.moe_backend, self.device)
+        if cfg.train.pooled_moment and self.ranks is not None and self.ranks.world_size > 1:
+            # DDP all-reduces the step's gradient at its end: no rank holds the peer's first half alone
+            raise ConfigError("train.pooled_moment: not supported with several local ranks (torchrun)")
         if self.is_leader:
-            self._check_run_dir()
+            check_run_dir(self.run_dir, cfg)
         self.dataset = open_dataset(cfg, self.progress)
         data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed + 1
         self.sampler = WindowSampler(self.dataset, cfg.data.seq_len, cfg.data.micro_batch, seed=data_seed)
         self.val = validation_batches(
             self.dataset, cfg.data.seq_len, cfg.data.micro_batch, cfg.data.val_batches
         )
-        ckpt = self._find_checkpoint(resume) if self.is_leader else None
+        ckpt = find_checkpoint(self.run_dir, cfg, resume) if self.is_leader else None
         if ckpt is not None:
             local_experts = ckpt.state["local_experts"]
         local = local_experts if local_experts is not None else cfg.experts.resolve(cfg.model.n_experts)
@@ -126,42 +133,6 @@ class Trainer:
         else:
             self.metrics.truncate_after(-1)  # a fresh run starts a fresh history
 
-    def _find_checkpoint(self, resume: bool):
-        """The checkpoint to resume from (checked against this run), or None for a fresh start."""
-        ckpts = self.run_dir / "checkpoints"
-        existing = latest_checkpoint(ckpts)
-        if existing is not None and not resume:
-            raise CheckpointError(
-                f"run dir {self.run_dir} already has checkpoints (latest {existing.name}); "
-                "pass --resume to continue it or choose another --run-dir"
-            )
-        if not resume or existing is None:
-            if resume:
-                print(f"no checkpoint in {ckpts}; starting from scratch", file=sys.stderr)
-            return None
-        ckpt = load_checkpoint(existing)
-        if ckpt.state.get("fingerprint") != self.cfg.fingerprint():
-            raise CheckpointError(f"checkpoint {existing} belongs to another model/run (fingerprint differs)")
-        local = ckpt.state.get("local_experts")
-        if not isinstance(local, list) or not all(
-            isinstance(e, int) and 0 <= e < self.cfg.model.n_experts for e in local
-        ):
-            raise CheckpointError(f"checkpoint {existing}: invalid local_experts {local!r}")
-        return ckpt
-
-    def _check_run_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        saved = self.run_dir / "config.yaml"
-        if saved.exists():
-            try:
-                old = load_config(saved)
-            except ConfigError:
-                old = None
-            if old is not None and old.fingerprint() != self.cfg.fingerprint():
-                raise ConfigError(
-                    f"run dir {self.run_dir} holds a run with a different model config; use another --run-dir"
-                )
-
     def _restore(self, ckpt) -> None:
         try:
             self.model.load_canonical_state_dict(ckpt.model)
@@ -170,6 +141,12 @@ class Trainer:
         load_optimizer_tensors(self.model, self.optimizer, ckpt.optimizer)
         self.step, self.tokens = ckpt.step, int(ckpt.state["tokens"])
         self.sampler.load_state_dict(ckpt.state["sampler"])
+        pools = ckpt.state.get("pools", [1, 1])  # older checkpoints have none
+        if not (
+            isinstance(pools, list) and len(pools) == 2 and all(isinstance(x, int) and x >= 1 for x in pools)
+        ):
+            raise CheckpointError(f"checkpoint {ckpt.path}: invalid pools {pools!r}")
+        self._set_pools(Pools(*pools))
         dropped = self.metrics.truncate_after(self.step)
         msg = f"resumed from {ckpt.path} at step {self.step} ({dropped} later metric records dropped)"
         print(msg, file=sys.stderr)
@@ -205,18 +182,19 @@ class Trainer:
         if self.ranks is not None and self._ddp is None:  # wrapped again after an expert switch
             self._ddp = self.ranks.wrap(self.model)
         module = self.model if self._ddp is None else self._ddp
-        for i in range(accum):
-            batch = self.sampler.next_batch().to(self.device, non_blocking=True)
-            sync_grads = module is self.model or i == accum - 1  # DDP: all-reduce after the last one only
+        pooled = isinstance(self.optimizer, PooledMomentAdamW)
+        batches = step_batches(self.sampler, accum, halves=pooled)
+        n = len(batches)
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device, non_blocking=True)
+            if pooled and i == n // 2:
+                self.optimizer.mark_half()  # the first half's gradient: the noise that pooling removes
+            sync_grads = module is self.model or i == n - 1  # DDP: all-reduce after the last one only
             with contextlib.nullcontext() if sync_grads else module.no_sync():
                 with self._autocast():
                     out = module(batch[:, :-1], targets=batch[:, 1:])
-                (out.loss / accum).backward()
-            lm, lb, z = (
-                lm + out.lm_loss.item() / accum,
-                lb + out.lb_loss.item() / accum,
-                z + out.z_loss.item() / accum,
-            )
+                (out.loss / n).backward()
+            lm, lb, z = lm + out.lm_loss.item() / n, lb + out.lb_loss.item() / n, z + out.z_loss.item() / n
             expert_tokens += out.expert_tokens
         if self.ranks is not None:  # the swarm sees the whole peer: tokens summed, losses averaged over ranks
             expert_tokens, (lm, lb, z) = self.ranks.reduce_step(expert_tokens, (lm, lb, z))
@@ -224,7 +202,9 @@ class Trainer:
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         skipped = not math.isfinite(grad_norm)
-        if not skipped:  # a non-finite gradient would poison weights and moments: drop this update
+        if not skipped and pooled:  # the kept half is scaled as clipping scaled the gradient
+            self.optimizer.step(grad_scale=min(1.0, clip / (grad_norm + 1e-6)))
+        elif not skipped:  # a non-finite gradient would poison weights and moments: drop this update
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -250,6 +230,7 @@ class Trainer:
         self.model.set_local_experts(experts)
         self._ddp = None  # new parameter objects: DDP wraps them afresh at the next step
         self.optimizer = build_optimizer(self.model, self.cfg.train)
+        self._set_pools(self.pools)
         load_optimizer_tensors(
             self.model, self.optimizer, remap_expert_moments(moments, old_ids, self.model.local_experts)
         )
@@ -259,6 +240,11 @@ class Trainer:
             file=sys.stderr,
         )
         self.sync.experts_changed(self.model)
+
+    def _set_pools(self, pools: Pools) -> None:
+        self.pools = pools
+        if isinstance(self.optimizer, PooledMomentAdamW):
+            self.optimizer.set_pools(pools.dense, pools.experts)
 
     def save(self) -> Path | None:
         self._saved_at = time.monotonic()
@@ -270,6 +256,7 @@ class Trainer:
             "run_id": self.cfg.run_id,
             "local_experts": self.model.local_experts,
             "sampler": self.sampler.state_dict(),
+            "pools": [self.pools.dense, self.pools.experts],  # a resumed step divides as this one did
         }
         return save_checkpoint(
             self.run_dir / "checkpoints",
@@ -331,6 +318,8 @@ class Trainer:
                 )
                 reply = self.sync.after_step(self.model, report)
                 records, wanted = [r.to_dict() for r in reply.records], reply.switch_to
+                if reply.pools is not None:
+                    self._set_pools(reply.pools)
                 if self.ranks is not None:  # rank 0's round results and decisions reach every rank
                     wanted, out_of_time = self.ranks.share_decisions(
                         self.model, self.step, records, wanted, out_of_time
