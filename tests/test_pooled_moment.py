@@ -163,3 +163,19 @@ def test_pooled_moment_needs_an_even_number_of_windows_per_step(tiny_config):
     with pytest.raises(ConfigError, match="train.pooled_moment: needs an even number"):
         load_config(tiny_config, ["train.pooled_moment=true", "data.micro_batch=3"])
     load_config(tiny_config, ["train.pooled_moment=true", "data.micro_batch=3", "train.grad_accum=2"])
+
+
+def test_a_solo_trainer_with_pooled_moment_steps_as_plain_adamw(tiny_config, tmp_path):
+    """Pools of 1 (no swarm): no halves, the same steps as torch's AdamW up to rounding."""
+    runs = {}
+    for name, sets in {"pooled": ["train.pooled_moment=true"], "plain": []}.items():
+        trainer = Trainer(load_config(tiny_config, sets), tmp_path / name, progress=False)
+        trainer.setup()
+        try:
+            trainer.train(max_steps=8)
+        finally:
+            trainer.close()
+        runs[name] = _losses(tmp_path / name)
+    assert runs["pooled"].keys() == runs["plain"].keys()
+    for step, loss in runs["plain"].items():
+        assert runs["pooled"][step] == pytest.approx(loss, rel=1e-4), step

@@ -182,7 +182,11 @@ class Trainer:
         if self.ranks is not None and self._ddp is None:  # wrapped again after an expert switch
             self._ddp = self.ranks.wrap(self.model)
         module = self.model if self._ddp is None else self._ddp
-        pooled = isinstance(self.optimizer, PooledMomentAdamW)
+        # alone (pools of 1) a step needs no halves: it is plain AdamW, and a partner's first rounds find
+        # the noise estimate warm within a few dozen steps (beta2's half-life)
+        pooled = (
+            isinstance(self.optimizer, PooledMomentAdamW) and max(self.pools.dense, self.pools.experts) > 1
+        )
         batches = step_batches(self.sampler, accum, halves=pooled)
         n = len(batches)
         for i, batch in enumerate(batches):
