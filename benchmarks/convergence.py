@@ -29,7 +29,8 @@ for as many steps) and judges each by one evaluator on exported HF models (``con
                    and ``sync.outer_momentum``; ``--average-merge``: with the merge warm-up, as
                    ``sync.merge_*`` sets it; ``--average-experts-every M``: the experts every M steps and
                    the dense weights every N, as ``sync.refresh_every`` spaces a swarm's refresh rounds;
-                   ``--average-delay D``: each average lands D steps late, as a round in the background)
+                   ``--average-delay D``: each average lands D steps late, as a round in the background;
+                   ``--average-pooled-moment``: the replicas step as ``train.pooled_moment`` makes peers)
     every_step_spes  (only when asked for) the same with each peer training only its own
                    ``experts.per_peer`` experts, as swarm peers do: what partitioning the experts costs
 
