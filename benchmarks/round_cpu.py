@@ -221,7 +221,10 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, SHAPES[args.shape] + [f"sync.codec={args.codec}", *args.set])
+    # its training thread steps a plain AdamW of its own: the preset's pooled moment (which needs an even
+    # number of windows a step) has no part here, whatever --set data.micro_batch says
+    fixed = [*SHAPES[args.shape], f"sync.codec={args.codec}", "train.pooled_moment=false"]
+    cfg = load_config(args.config, fixed + args.set)
     local = list(range(min(args.local, cfg.model.n_experts)))
     model = MoETransformer(cfg.model, local_experts=local)
     model.init_weights(cfg.train.seed)  # every peer's start: its copies of the others' experts included

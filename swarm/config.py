@@ -317,7 +317,8 @@ class RunConfig:
         check(
             not self.train.pooled_moment or windows % 2 == 0,
             "train.pooled_moment",
-            f"needs an even number of windows per step (data.micro_batch x train.grad_accum = {windows})",
+            f"needs an even number of windows per step (data.micro_batch x train.grad_accum = {windows}); "
+            "change one, or set train.pooled_moment=false",
         )
 
     def to_dict(self) -> dict[str, Any]:
