@@ -7,6 +7,7 @@ from swarm.config import ConfigError, load_config
 from swarm.train import Trainer, load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint
 from swarm.train.local_ranks import LocalRanks
+from swarm.train.metrics_log import read_metrics
 from swarm.train.pooled_moment import PooledMomentAdamW, clip_scale
 from swarm.train.sync_hook import Pools, SyncReply
 from tests.trainer_fixtures import _losses
@@ -150,6 +151,10 @@ def test_a_trainer_with_pooled_moment_takes_the_hooks_pools_learns_and_resumes_e
     assert noise and all(torch.isfinite(v).all() and (v >= 0).all() for v in noise.values())
     assert any(k.startswith("experts_") or "_local" in k for k in noise)  # experts pooled too (2 holders)
     assert ckpt.state["pools"] == [4, 2]
+    logged = [
+        (r["step"], r["pools"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if "pools" in r
+    ]
+    assert logged == [(1, {"dense": 4, "experts": 2})]  # once: they never changed
     losses = _losses(tmp_path / "full")
     assert losses[12] < losses[1]
     _train(tiny_config, tmp_path / "split", 6, on)

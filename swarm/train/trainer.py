@@ -16,6 +16,7 @@ model for the training forward/backward only; after each step rank 0's decisions
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import threading
@@ -322,8 +323,10 @@ class Trainer:
                 )
                 reply = self.sync.after_step(self.model, report)
                 records, wanted = [r.to_dict() for r in reply.records], reply.switch_to
-                if reply.pools is not None:
+                if reply.pools is not None and reply.pools != self.pools:
                     self._set_pools(reply.pools)
+                    if isinstance(self.optimizer, PooledMomentAdamW):  # what its steps divide by from now on
+                        self.metrics.write(step=self.step, pools=dataclasses.asdict(reply.pools))
                 if self.ranks is not None:  # rank 0's round results and decisions reach every rank
                     wanted, out_of_time = self.ranks.share_decisions(
                         self.model, self.step, records, wanted, out_of_time
