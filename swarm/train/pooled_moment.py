@@ -103,5 +103,9 @@ def clip_scale(params: Iterable[torch.Tensor], max_norm: float) -> float:
     """Clip the gradients' total norm to ``max_norm`` (0: no clipping) and return the factor applied."""
     if not max_norm:
         return 1.0
-    norm = float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    return clip_factor(float(torch.nn.utils.clip_grad_norm_(list(params), max_norm)), max_norm)
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """The factor by which ``clip_grad_norm_`` scaled gradients of total norm ``norm`` (inf: no clipping)."""
     return min(1.0, max_norm / (norm + 1e-6))

@@ -44,7 +44,7 @@ from swarm.train.optimizer import (
     remap_expert_moments,
     set_lr,
 )
-from swarm.train.pooled_moment import PooledMomentAdamW
+from swarm.train.pooled_moment import PooledMomentAdamW, clip_factor
 from swarm.train.run_dir import check_run_dir, find_checkpoint
 from swarm.train.schedule import lr_at
 from swarm.train.step_batches import step_batches
@@ -208,7 +208,7 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         skipped = not math.isfinite(grad_norm)
         if not skipped and pooled:  # the kept half is scaled as clipping scaled the gradient
-            self.optimizer.step(grad_scale=min(1.0, clip / (grad_norm + 1e-6)))
+            self.optimizer.step(grad_scale=clip_factor(grad_norm, clip))
         elif not skipped:  # a non-finite gradient would poison weights and moments: drop this update
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
