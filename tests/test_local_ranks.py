@@ -95,13 +95,13 @@ def assert_ranks_equal(run: Path) -> dict[str, list]:
 def test_two_rank_peer_in_a_swarm(tiny_config, tmp_path, bootstrap_peer):
     ranked, plain = tmp_path / "ranked", tmp_path / "plain"
     sockets_before = p2p_sockets()
-    stop_at = str(time.time() + 26)  # a shared stop: both peers meet for the last round
+    # a shared stop: both peers meet for the last round; with the pooled moment, as the demo trains, whose
+    # first half of a step the ranks must average before it is kept (or their weights part)
+    extra = ("--stop-at", str(time.time() + 26), "--set", "train.pooled_moment=true")
     procs = [
-        start_two_ranks(
-            swarm_peer_args(tiny_config, bootstrap_peer, ranked, "--stop-at", stop_at), tmp_path / "r.log"
-        ),
+        start_two_ranks(swarm_peer_args(tiny_config, bootstrap_peer, ranked, *extra), tmp_path / "r.log"),
         subprocess.Popen(
-            peer_cmd(*swarm_peer_args(tiny_config, bootstrap_peer, plain, "--stop-at", stop_at)),
+            peer_cmd(*swarm_peer_args(tiny_config, bootstrap_peer, plain, *extra)),
             cwd=ROOT,
             env=ENV,
             stdout=subprocess.DEVNULL,
@@ -135,6 +135,9 @@ def test_two_rank_peer_in_a_swarm(tiny_config, tmp_path, bootstrap_peer):
     # a step of the peer is a step of both ranks
     steps = [r for r in metrics if "loss" in r]
     assert steps and all(r["tokens"] == r["step"] * 2 * STEP_TOKENS for r in steps)
+    # the two-rank peer is one of two training the dense weights: its steps ran as halves after that
+    pools = [r["pools"] for r in metrics if "pools" in r]
+    assert {"dense": 2, "experts": 1} in pools, pools
 
     # the swarm saw two peers: the two-rank process is one of them
     rounds = {run.name: round_records(run) for run in (ranked, plain)}
@@ -185,3 +188,51 @@ def test_two_rank_swarm_peer_stops_cleanly_on_sigterm(tiny_config, tmp_path, boo
     assert out.count("interrupted at step") == 1 and "]: Traceback" not in out, out[-3000:]
     ckpt = latest_checkpoint(run / "checkpoints")  # rank 0 wrote its checkpoint on the way out
     assert ckpt is not None and load_checkpoint(ckpt).step >= 20
+
+
+def _collectives(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: ``average_gradients`` and the pools ``share_decisions`` hands out."""
+    from types import SimpleNamespace
+
+    from swarm.train.local_ranks import LocalRanks
+    from swarm.train.sync_hook import Pools
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    ranks = LocalRanks(rank, 2, rank)
+    ranks.init(torch.device("cpu"), timeout_s=30)
+    try:
+        a, b, c = (torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True),
+                   torch.zeros(1, requires_grad=True))  # fmt: skip
+        a.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+        b.grad = torch.full((2, 2), 4.0 * rank)
+        if rank == 0:
+            c.grad = torch.tensor([6.0])  # rank 1 has none: it counts as zero
+        ranks.average_gradients([a, b, c])
+        model = SimpleNamespace(cfg=SimpleNamespace(n_experts=4))
+        mine = Pools(3, 2) if rank == 0 else Pools(1, 1)
+        shared = ranks.share_decisions(model, 7, [], [2, 0] if rank == 0 else None, rank == 0, mine)
+        torch.save({"a": a.grad, "b": b.grad, "c": c.grad, "shared": shared}, f"{out}/rank{rank}.pt")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_average_gradients_and_share_rank_0s_pools(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from swarm.train.local_ranks import RankDecisions
+    from swarm.train.sync_hook import Pools
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_collectives, args=(port, str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for g in got:  # the mean over both ranks, on both
+        assert torch.equal(g["a"], torch.tensor([1.5, 3.0, 4.5]))
+        assert torch.equal(g["b"], torch.full((2, 2), 2.0))
+        assert torch.equal(g["c"], torch.tensor([3.0]))
+        assert g["shared"] == RankDecisions(switch_to=[0, 2], stop=True, pools=Pools(3, 2))

@@ -6,7 +6,6 @@ import torch
 from swarm.config import ConfigError, load_config
 from swarm.train import Trainer, load_checkpoint
 from swarm.train.checkpoint import latest_checkpoint
-from swarm.train.local_ranks import LocalRanks
 from swarm.train.metrics_log import read_metrics
 from swarm.train.pooled_moment import PooledMomentAdamW, clip_scale
 from swarm.train.sync_hook import Pools, SyncReply
@@ -185,14 +184,3 @@ def test_a_solo_trainer_with_pooled_moment_steps_as_plain_adamw(tiny_config, tmp
     assert runs["pooled"].keys() == runs["plain"].keys()
     for step, loss in runs["plain"].items():
         assert runs["pooled"][step] == pytest.approx(loss, rel=1e-4), step
-
-
-def test_pooled_moment_is_refused_for_a_peer_of_several_local_ranks(tiny_config, tmp_path):
-    cfg = load_config(tiny_config, ["train.pooled_moment=true"])
-    trainer = Trainer(cfg, tmp_path / "run", progress=False, ranks=LocalRanks(0, 2, 0))
-    try:
-        with pytest.raises(ConfigError, match="not supported with several local ranks"):
-            trainer.setup()
-    finally:
-        trainer.close()
-    assert not (tmp_path / "run").exists()  # refused before anything was written

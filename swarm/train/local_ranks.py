@@ -12,9 +12,11 @@ Usage (``peers/main.py`` wires it)::
     ranks.close()
 
 Only rank 0 talks to the swarm and writes to the run dir. After every optimizer step rank 0 broadcasts
-one control tensor (weights changed by a round, stop now, switch experts) and, when a round changed the
-weights, every parameter and buffer (frozen experts are buffers). Optimizer moments stay equal without
-help: DDP gives every rank the same gradients, and rounds never touch moments.
+one control tensor (weights changed by a round, stop now, switch experts, the pools that
+``train.pooled_moment`` divides by) and, when a round changed the weights, every parameter and buffer
+(frozen experts are buffers). Optimizer moments stay equal without help: DDP gives every rank the same
+gradients, rounds never touch moments, and with ``train.pooled_moment`` the kept first half of a step is
+averaged over the ranks (``average_gradients``) before the optimizer keeps it.
 
 ``SWARM_RANK_DUMPS=1`` (for tests) makes every rank save its canonical weights whenever the ranks' weights
 are checked, as ``run_dir/rank_dumps/{label}-step{S}-rank{R}.safetensors``, so that a test can compare the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +36,25 @@ import torch.distributed as dist
 
 from swarm.config import RunConfig
 from swarm.train.optimizer import load_optimizer_tensors, optimizer_tensors
+from swarm.train.sync_hook import Pools
 
 if TYPE_CHECKING:
     from swarm.model import MoETransformer
     from swarm.train.trainer import Trainer
 
-_CHANGED, _STOP, _SWITCH = 0, 1, 2  # control tensor slots; the wanted-expert mask follows
+_CHANGED, _STOP, _SWITCH, _DENSE_POOL, _EXPERT_POOL = range(
+    5
+)  # control slots; the wanted-expert mask follows
+_MASK = 5
+
+
+@dataclass(frozen=True)
+class RankDecisions:
+    """Rank 0's decisions after a step, as every rank receives them (``LocalRanks.share_decisions``)."""
+
+    switch_to: list[int] | None  # the experts to train from now on, or None
+    stop: bool
+    pools: Pools  # what PooledMomentAdamW divides by: every rank must split its steps alike
 
 
 def collective_timeout_s(cfg: RunConfig) -> float:
@@ -154,20 +170,27 @@ class LocalRanks:
         return tokens, tuple((packed[n:] / self.world_size).tolist())
 
     def share_decisions(
-        self, model: MoETransformer, step: int, records: list[dict], wanted: list[int] | None, stop: bool
-    ) -> tuple[list[int] | None, bool]:
+        self,
+        model: MoETransformer,
+        step: int,
+        records: list[dict],
+        wanted: list[int] | None,
+        stop: bool,
+        pools: Pools,
+    ) -> RankDecisions:
         """After a step (or the last round): rank 0's decisions reach every rank. Rank 0 passes its round
-        ``records``, the hook's ``wanted`` experts and its ``stop`` decision; the other ranks' arguments are
-        ignored. Weights a round changed are broadcast and checked (rank 0's applied records get ``ranks``
-        and ``ranks_weight_spread``). Returns (experts to switch to or None, stop) for every rank."""
+        ``records``, the hook's ``wanted`` experts, its ``stop`` decision and its ``pools``; the other ranks'
+        arguments are ignored. Weights a round changed are broadcast and checked (rank 0's applied records get
+        ``ranks`` and ``ranks_weight_spread``)."""
         n_experts = model.cfg.n_experts
-        ctl = torch.zeros(3 + n_experts, dtype=torch.long)
+        ctl = torch.zeros(_MASK + n_experts, dtype=torch.long)
         if self.is_leader:
             ctl[_CHANGED] = any(r.get("applied") for r in records)
             ctl[_STOP] = bool(stop)
+            ctl[_DENSE_POOL], ctl[_EXPERT_POOL] = pools.dense, pools.experts
             if wanted is not None:
                 ctl[_SWITCH] = 1
-                ctl[3 + torch.tensor(sorted(wanted), dtype=torch.long)] = 1
+                ctl[_MASK + torch.tensor(sorted(wanted), dtype=torch.long)] = 1
         ctl = ctl.to(self.device)
         dist.broadcast(ctl, src=0)
         ctl = ctl.cpu()
@@ -177,8 +200,26 @@ class LocalRanks:
             for r in records:
                 if r.get("applied"):
                     r.update(check)
-        switch = ctl[3:].nonzero().flatten().tolist() if ctl[_SWITCH] else None
-        return switch, bool(ctl[_STOP])
+        switch = ctl[_MASK:].nonzero().flatten().tolist() if ctl[_SWITCH] else None
+        return RankDecisions(switch, bool(ctl[_STOP]), Pools(int(ctl[_DENSE_POOL]), int(ctl[_EXPERT_POOL])))
+
+    @torch.no_grad()
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Every rank's ``params``' gradients become their mean over the ranks (one all-reduce of them all,
+        flattened; a missing gradient counts as zeros). DDP averages only at a step's last backward; the
+        pooled moment's first half has to be the peer's, not one rank's."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        at = 0
+        for p, g in zip(params, grads, strict=True):
+            mean = flat[at : at + g.numel()].view_as(g)
+            if p.grad is None:
+                p.grad = mean.clone()
+            else:
+                p.grad.copy_(mean)
+            at += g.numel()
 
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -95,9 +95,6 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.device = self.ranks.device if self.ranks is not None else pick_device(cfg.train.device)
         check_backend(cfg.model.moe_backend, self.device)
-        if cfg.train.pooled_moment and self.ranks is not None and self.ranks.world_size > 1:
-            # DDP all-reduces the step's gradient at its end: no rank holds the peer's first half alone
-            raise ConfigError("train.pooled_moment: not supported with several local ranks (torchrun)")
         if self.is_leader:
             check_run_dir(self.run_dir, cfg)
         self.dataset = open_dataset(cfg, self.progress)
@@ -193,6 +190,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = batch.to(self.device, non_blocking=True)
             if pooled and i == n // 2:
+                if self.ranks is not None:  # DDP averages only at the last backward: the peer's half
+                    self.ranks.average_gradients(self.model.trainable_parameters())
                 self.optimizer.mark_half()  # the first half's gradient: the noise that pooling removes
             sync_grads = module is self.model or i == n - 1  # DDP: all-reduce after the last one only
             with contextlib.nullcontext() if sync_grads else module.no_sync():
@@ -298,8 +297,10 @@ class Trainer:
                    mininterval=every, desc=f"peer {self.cfg.run_id}")  # fmt: skip
         window_t, window_tok = time.perf_counter(), 0
         out_of_time = stop_at is not None and time.monotonic() >= stop_at
-        if self.ranks is not None:  # rank 0's clock decides for every rank
-            _, out_of_time = self.ranks.share_decisions(self.model, self.step, [], None, out_of_time)
+        if self.ranks is not None:  # rank 0's clock (and resumed pools) decide for every rank
+            shared = self.ranks.share_decisions(self.model, self.step, [], None, out_of_time, self.pools)
+            out_of_time = shared.stop
+            self._set_pools(shared.pools)
         try:
             while self.step < target:
                 if self.stop is not None and self.stop.is_set():  # a Ctrl+C whose KeyboardInterrupt
@@ -328,9 +329,12 @@ class Trainer:
                     if isinstance(self.optimizer, PooledMomentAdamW):  # what its steps divide by from now on
                         self.metrics.write(step=self.step, pools=dataclasses.asdict(reply.pools))
                 if self.ranks is not None:  # rank 0's round results and decisions reach every rank
-                    wanted, out_of_time = self.ranks.share_decisions(
-                        self.model, self.step, records, wanted, out_of_time
+                    shared = self.ranks.share_decisions(
+                        self.model, self.step, records, wanted, out_of_time, self.pools
                     )
+                    wanted, out_of_time = shared.switch_to, shared.stop
+                    if shared.pools != self.pools:  # every rank splits its next step as rank 0 does
+                        self._set_pools(shared.pools)
                 for round_rec in records:
                     self.metrics.write(**round_rec)
                 if wanted is not None and sorted(wanted) != self.model.local_experts:
@@ -372,7 +376,7 @@ class Trainer:
             )
             final = [r.to_dict() for r in self.sync.last_round(self.model, report)]
             if self.ranks is not None:
-                self.ranks.share_decisions(self.model, self.step, final, None, True)
+                self.ranks.share_decisions(self.model, self.step, final, None, True, self.pools)
             for round_rec in final:
                 self.metrics.write(**round_rec)
             if any(r.get("applied") for r in final):
