@@ -128,7 +128,8 @@ def run_config(args: argparse.Namespace, steps: int, work: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from convergence_runs import run_central, run_every_step, run_swarm, unmodelled
+    from convergence_runs import run_central, run_swarm
+    from every_step_runs import run_every_step, unmodelled
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, "row")
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--average-experts-every", type=int, default=0, metavar="N",
                     help="the every_step rows average the experts (refresh copies) every N steps, the "
                          "dense weights every --average-every (default: both every --average-every)")  # fmt: skip
+    ap.add_argument("--average-embeddings-every", type=int, default=0, metavar="N",
+                    help="the every_step rows average the token embeddings and output head every N steps, "
+                         "the rest of the dense weights every --average-every (default: with them)")  # fmt: skip
     ap.add_argument("--average-delay", type=int, default=0, metavar="N",
                     help="the every_step rows' averages land N steps after their snapshots, the steps "
                          "taken meanwhile kept, as rounds in the background do (default 0)")  # fmt: skip
@@ -166,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = list(QUICK_ROWS if args.quick else ROWS)
     if args.repeat < 1 or steps < 1 or args.peers < 1:
         ap.error("--repeat, --steps and --peers must be at least 1")
-    if args.average_every < 1 or args.average_experts_every < 0 or args.average_delay < 0:
-        ap.error("--average-every must be at least 1, --average-experts-every and --average-delay >= 0")
+    if args.average_every < 1 or min(args.average_experts_every, args.average_delay,
+                                     args.average_embeddings_every) < 0:  # fmt: skip
+        ap.error("--average-every must be at least 1, --average-experts-every, --average-embeddings-every "
+                 "and --average-delay >= 0")  # fmt: skip
     lossless = args.average_codec == "fp32" and args.average_dense_codec in ("", "fp32")
     split = args.average_experts_every not in (0, args.average_every)
     outer = args.average_outer != (1.0, 0.0)
-    if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless):
+    embeddings = args.average_embeddings_every not in (0, args.average_every)
+    if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless, embeddings):
         ap.error(why)
     try:
         row_sets = parse_row_sets(args.row_set)
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                                          outer=args.average_outer, merge=args.average_merge,
                                          experts_every=args.average_experts_every,
                                          delay=args.average_delay,
-                                         pooled_moment=args.average_pooled_moment)  # fmt: skip
+                                         pooled_moment=args.average_pooled_moment,
+                                         embeddings_every=args.average_embeddings_every)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})

@@ -5,6 +5,7 @@ optimizer instead.
 
     average_replicas(models, owned, n_experts)    # every replica takes replica_means of all of them
     average_replicas(models, owned, n_experts, experts=False)   # of the dense weights only
+    average_replicas(models, owned, n_experts, embeddings=False, experts=False)  # the dense but EMBEDDINGS
     merge_replicas(models, alpha, topk)           # the merge warm-up's step on every replica's experts
     average_moments(optimizers)                   # AdamW's two moments too, replicas that train alike
 
@@ -72,21 +73,29 @@ def replica_means(states: list[dict], owned: list[list[int]], n_exp: int) -> dic
     return merged
 
 
-def averaged_part(name: str, dense: bool, experts: bool) -> bool:
+# The token embeddings and the output head: 80% of the demo shape's dense weights, the rest being attention,
+# norms and routers
+EMBEDDINGS = frozenset({"embed.weight", "lm_head.weight"})
+
+
+def averaged_part(name: str, dense: bool, experts: bool, embeddings: bool | None = None) -> bool:
     """Whether a round of the dense weights (``dense``), of the experts (``experts``) or of both covers the
-    tensor ``name``."""
-    return experts if ".experts." in name else dense
+    tensor ``name``; ``embeddings`` (default: as ``dense``) decides for ``EMBEDDINGS`` on their own."""
+    if ".experts." in name:
+        return experts
+    return dense if embeddings is None or name not in EMBEDDINGS else embeddings
 
 
 @torch.no_grad()
 def average_replicas(models: list, owned: list[list[int]], n_exp: int, dense: bool = True,
-                     experts: bool = True) -> None:  # fmt: skip
+                     experts: bool = True, embeddings: bool | None = None) -> None:  # fmt: skip
     """Every replica takes ``replica_means`` of their states (an expert that none trains stays as it is):
-    of the dense weights, of the experts (an expert with one trainer: the others' copies of it), or both."""
+    of the dense weights, of the experts (an expert with one trainer: the others' copies of it), or both;
+    ``embeddings`` (default: as ``dense``) for ``EMBEDDINGS`` apart from the other dense weights."""
     merged = replica_means([m.canonical_state_dict() for m in models], owned, n_exp)
     for m in models:
         state = m.canonical_state_dict()
-        state.update({k: v for k, v in merged.items() if averaged_part(k, dense, experts)})
+        state.update({k: v for k, v in merged.items() if averaged_part(k, dense, experts, embeddings)})
         m.load_canonical_state_dict(state)
 
 

@@ -108,7 +108,8 @@ def run_data_parallel(
 def run_mode(mode: str, cfg, steps: int, peers: int, device: str = "cpu", draw: int = 0):
     """One mode's run (``MODES``), its curve evaluated at eight points, on the ``draw``-th draw of the
     windows (central's own and the peers'; 0 the draw of every result before the option existed)."""
-    from convergence_runs import run_central, run_every_step
+    from convergence_runs import run_central
+    from every_step_runs import run_every_step
 
     every = max(1, steps // 8)
     if mode == "central":

@@ -352,6 +352,9 @@ def test_merged_replicas_with_owners_move_only_their_own_experts():
         ["--average-delay", "2", "--average-codec", "int8"],
         ["--average-delay", "2", "--average-dense-codec", "int4"],
         ["--average-delay", "-1"],
+        ["--average-embeddings-every", "4", "--average-codec", "int8"],
+        ["--average-embeddings-every", "4", "--average-delay", "1"],
+        ["--average-embeddings-every", "-1"],
     ],
 )
 def test_convergence_refuses_in_process_settings_it_does_not_model(flags, capsys):
@@ -364,10 +367,39 @@ def test_convergence_refuses_in_process_settings_it_does_not_model(flags, capsys
     assert stop.value.code == 2 and "--average-" in capsys.readouterr().err
 
 
+def test_replicas_average_the_embeddings_apart_from_the_other_dense_weights(tiny_config):
+    """``--average-embeddings-every``: an average without the embeddings leaves each replica's token
+    embeddings and output head as they were and averages attention, norms and routers; a run with them
+    on an interval of their own trains, is judged and says so in its name."""
+    import torch
+
+    from benchmarks.every_step_runs import run_every_step
+    from benchmarks.replica_rounds import EMBEDDINGS, average_replicas
+    from swarm.config import load_config
+
+    mcfg, owned, models = _two_replicas()
+    before = [m.canonical_state_dict() for m in models]
+    average_replicas(models, owned, mcfg.n_experts, experts=False, embeddings=False)
+    after = [m.canonical_state_dict() for m in models]
+    assert EMBEDDINGS <= before[0].keys()
+    for name in before[0]:
+        if name in EMBEDDINGS or ".experts." in name:
+            assert all(torch.equal(a[name], b[name]) for a, b in zip(after, before, strict=True)), name
+        else:
+            mean = (before[0][name] + before[1][name]) / 2
+            assert all(torch.allclose(a[name], mean, atol=1e-7) for a in after), name
+    assert not torch.equal(after[0]["embed.weight"], after[1]["embed.weight"])
+
+    cfg = load_config(tiny_config)
+    res = run_every_step(cfg, 4, peers=2, eval_every=4, every=1, own_experts=True, embeddings_every=2)
+    assert res.name == "every_step_spes_embeddings_every_2"
+    assert math.isfinite(res.val_loss) and 0 < res.val_loss < 8.0, res
+
+
 def test_split_intervals_run_through_a_codec_and_merges(tiny_config):
     """run_every_step with split intervals, the int8 codec (dense int4) and merges trains and is judged; the
     codec and the merges change its path from the plain split row's."""
-    from benchmarks.convergence_runs import run_every_step
+    from benchmarks.every_step_runs import run_every_step
     from swarm.config import load_config
 
     cfg = load_config(tiny_config, ["sync.merge_warmup_steps=8", "sync.merge_every=1"])
