@@ -138,20 +138,17 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         dense_due, experts_due, embeddings_due = (
             (step + 1) % n == 0 or step + 1 == steps for n in (every, experts_every, embeddings_every)
         )
-        if split_embeddings and (dense_due or experts_due or embeddings_due):
-            average_replicas(models, owned, n_exp, dense_due, experts_due, embeddings_due)
-            rounds += 1
-        elif late and step + 1 < steps:
+        if late and step + 1 < steps:
             if dense_due or experts_due:
                 late.start(models, step + 1, dense=dense_due, experts=experts_due)
             late.land(models, step + 1)
-        elif dense_due or experts_due:
+        elif dense_due or experts_due or embeddings_due:  # (embeddings_due is dense_due unless split)
             if late:  # the last step: the rounds in flight land, then the final agreement
                 late.land(models, step + 1, everything=True)
             if averaging:
                 averaging(models, dense=dense_due, experts=experts_due)
             else:
-                average_replicas(models, owned, n_exp, dense=dense_due, experts=experts_due)
+                average_replicas(models, owned, n_exp, dense_due, experts_due, embeddings_due)
                 if moments:
                     average_moments(opts)
             rounds += 1
