@@ -42,10 +42,8 @@ if TYPE_CHECKING:
     from swarm.model import MoETransformer
     from swarm.train.trainer import Trainer
 
-_CHANGED, _STOP, _SWITCH, _DENSE_POOL, _EXPERT_POOL = range(
-    5
-)  # control slots; the wanted-expert mask follows
-_MASK = 5
+# the control tensor's slots; the wanted-expert mask starts at _MASK
+_CHANGED, _STOP, _SWITCH, _DENSE_POOL, _EXPERT_POOL, _MASK = range(6)
 
 
 @dataclass(frozen=True)
@@ -212,14 +210,11 @@ class LocalRanks:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= self.world_size
-        at = 0
-        for p, g in zip(params, grads, strict=True):
-            mean = flat[at : at + g.numel()].view_as(g)
+        for p, mean in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             if p.grad is None:
-                p.grad = mean.clone()
+                p.grad = mean.view_as(p).clone()
             else:
-                p.grad.copy_(mean)
-            at += g.numel()
+                p.grad.copy_(mean.view_as(p))
 
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
