@@ -184,7 +184,7 @@ def run_swarm(name: str, cfg_path: Path, overrides: list[str], steps: int, peers
     moved = [_bytes_moved(rs) for rs in rounds]
     tokens_per_step = cfg.data.micro_batch * cfg.data.seq_len * cfg.train.grad_accum
     curve = [(m["step"] * tokens_per_step * peers, m["val_loss"]) for m in records[0] if "val_loss" in m]
-    applied = sum(1 for m in rounds[0] if "dense" in (m.get("applied_groups") or []))
+    applied = sum(1 for m in rounds[0] if {"dense", "core"} & set(m.get("applied_groups") or []))
     started = sum(1 for m in rounds[0] if not m.get("reason"))
     return RunResult(name, loss, final.step * tokens_per_step * peers, wall, sum(moved) / peers,
                      curve, applied, started)  # fmt: skip

@@ -224,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         _stop([boot], 15)
     codec = codec_named(cfg.sync.codec)
     summary = summarize(
-        run_dirs, cfg.model.n_experts, codec, codec_named(cfg.sync.dense_codec_name), cfg.sync.refresh_every
+        run_dirs,
+        cfg.model.n_experts,
+        codec,
+        codec_named(cfg.sync.dense_codec_name),
+        cfg.sync.refresh_every,
+        cfg.sync.embeddings_every,
     )
     print_summary(summary, formed)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))

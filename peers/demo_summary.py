@@ -31,10 +31,12 @@ def summarize(
     codec: Codec = CODECS["fp32"],
     dense_codec: Codec | None = None,
     refresh_every: int = 1,
+    embeddings_every: int = 1,
 ) -> dict:
     """Per-peer validation loss, expert coverage, rounds completed and bytes per round (predicted for the
-    swarm's ``codec``, ``dense_codec`` for the dense all-reduce (default ``codec``), and the copies moving
-    every ``refresh_every``-th round: the mean over rounds, as measured)."""
+    swarm's ``codec``, ``dense_codec`` for the dense all-reduce (default ``codec``), the copies moving
+    every ``refresh_every``-th round and all the dense weights every ``embeddings_every``-th: the mean over
+    rounds, as measured)."""
     peers, holders = [], {e: 0 for e in range(n_experts)}
     for i, d in enumerate(run_dirs):
         recs = read_jsonl(d / "metrics.jsonl")
@@ -73,18 +75,30 @@ def summarize(
         "holders": holders,
         "replicas": replica_spread(run_dirs, [p["experts"] for p in peers]),
         "refresh_every": refresh_every,
+        "embeddings_every": embeddings_every,
         "predicted_bytes_per_round": predicted_bytes(
-            run_dirs, [p["experts"] for p in peers], codec, dense_codec or codec, refresh_every
+            run_dirs,
+            [p["experts"] for p in peers],
+            codec,
+            dense_codec or codec,
+            refresh_every,
+            embeddings_every,
         ),
     }
 
 
 def predicted_bytes(
-    run_dirs: list[Path], experts: list[list[int]], codec: Codec, dense_codec: Codec, refresh_every: int = 1
+    run_dirs: list[Path],
+    experts: list[list[int]],
+    codec: Codec,
+    dense_codec: Codec,
+    refresh_every: int = 1,
+    embeddings_every: int = 1,
 ) -> int | None:
     """What the design predicts a peer moves per round, the mean over rounds of which every
-    ``refresh_every``-th moves the copies (``swarm.sync.round_traffic``), for the tensors of the first
-    peer's last checkpoint and the experts each peer trained."""
+    ``refresh_every``-th moves the copies and every ``embeddings_every``-th all the dense weights
+    (``swarm.sync.round_traffic``), for the tensors of the first peer's last checkpoint and the experts
+    each peer trained."""
     from safetensors import safe_open
 
     from swarm.train.checkpoint import latest_checkpoint
@@ -96,7 +110,7 @@ def predicted_bytes(
         shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
     sizes = ModelBytes.of(shapes, codec, dense_codec)
     n_experts = next(shape[0] for key, shape in shapes.items() if ".experts." in key)
-    return int(RoundTraffic.of(sizes, experts, n_experts).mean_per_peer(refresh_every))
+    return int(RoundTraffic.of(sizes, experts, n_experts).mean_per_peer(refresh_every, embeddings_every))
 
 
 def replica_spread(run_dirs: list[Path], experts: list[list[int]]) -> dict:
@@ -152,6 +166,8 @@ def print_summary(s: dict, formed_s: float | None) -> None:
         mean = sum(measured) / len(measured)
         every = s.get("refresh_every", 1)
         copies = f" (copies every {every} rounds)" if every > 1 else ""
+        if s.get("embeddings_every", 1) > 1:
+            copies += f" (all dense weights every {s['embeddings_every']} rounds, the core ones between)"
         print(
             f"bytes per peer per round: measured {mean / 1e6:.2f} MB (I/O of each peer's p2pd from its first "
             f"ordinary round to its last, mean over peers), design predicts {pred / 1e6:.2f} MB{copies}: "

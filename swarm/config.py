@@ -236,6 +236,13 @@ class SyncConfig:
     error_feedback: bool = True
     # non-local experts' copies are refreshed every this many sync points (the same ones on every peer)
     refresh_every: int = 1
+    # the dense weights' rounds: at every this many sync points (the same ones on every peer) a round
+    # averages all of them; at the others only the "core" ones, all but the token embeddings and output head
+    # (attention, norms, routers: a fifth of the demo's dense bytes), in a group of their own. Their interval
+    # is what costs, the embeddings' far less: in process, at equal bytes, the core every 3 steps and the
+    # embeddings every 20 ended 1.0 to 1.8% below all of them every 10 over 4.6M tokens (benchmarks/README.md).
+    # 1: every round averages all. Every peer of a swarm must use the same
+    embeddings_every: int = 1
     # a refresh round's downloads begin once its groups have their members (True), not with the round:
     # on a narrow link they would otherwise queue matchmaking's messages behind the experts' copies
     downloads_after_matchmaking: bool = False
@@ -266,6 +273,7 @@ class SyncConfig:
         check(self.merge_every >= 1, "sync.merge_every", "must be >= 1")
         check(self.merge_topk >= 1, "sync.merge_topk", "must be >= 1")
         check(self.refresh_every >= 1, "sync.refresh_every", "must be >= 1")
+        check(self.embeddings_every >= 1, "sync.embeddings_every", "must be >= 1")
         check(0 <= self.merge_alpha <= 1, "sync.merge_alpha", "must be in [0, 1]")
         for name in (
             "matchmaking_s",

@@ -73,6 +73,7 @@ def test_overrides_are_typed(repo_root):
         ({"sync": {"prematch_s": -1.0}}, "sync.prematch_s"),
         ({"sync": {"codec": "int3"}}, "sync.codec"),
         ({"sync": {"refresh_every": 0}}, "sync.refresh_every"),
+        ({"sync": {"embeddings_every": 0}}, "sync.embeddings_every"),
         ({"mdoel": {}}, "mdoel"),
         ({"model": 3}, "model"),
     ],

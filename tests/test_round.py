@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm.config import SyncConfig
-from swarm.net.group_layout import DENSE, expert_item, layout
+from swarm.net.group_layout import DENSE, core_spec, dense_spec, expert_item, layout
 from swarm.net.local_transport import Fault
 from tests.local_swarm import N_EXPERTS, TIMING, Swarm, near_copy, weighted_mean
 
@@ -266,6 +266,43 @@ def test_the_dense_group_may_travel_in_a_codec_of_its_own():
     # a pair's butterfly: each group's payload out, half in reduce-scatter and half in all-gather
     want = int4.wire_bytes(2000) + 8 * int8.wire_bytes(2048)  # two experts of four tensors
     assert [results[p].record.bytes_sent for p in peers] == [want, want]
+
+
+def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
+    """``sync.embeddings_every``: between full dense rounds a round averages only the core dense weights (here
+    the second of two tensors), in a dense-codec group of every peer, to their exact mean; each dense group
+    keeps its own reference across the other's rounds, so both send changes once they have one."""
+    peers = {"a": [0], "b": [1], "c": [2]}
+    sync = SyncConfig(codec="int8", dense_codec="int8", error_feedback=False, aggregation="mean")
+    swarm = Swarm(peers, sync=sync)
+    for i, p in enumerate(peers):  # the "embeddings" first, the core after; large enough to be encoded
+        g = torch.Generator().manual_seed(i)
+        swarm.dense[p] = [torch.randn(60, 50, generator=g), torch.randn(20, 50, generator=g)]
+    plans = {p: swarm.plan(p, index=1, refresh=False, core=(1,)) for p in peers}
+    assert [spec for spec, _ in plans["a"].groups][0] == core_spec("t")
+    core = swarm.round(plans)
+    want = weighted_mean([(1.0, swarm.dense[p][1:]) for p in peers])[0]
+    step = max(swarm.dense[p][1].abs().max().item() for p in peers) / 127
+    for p in peers:
+        rec = core[p].record
+        assert rec.rejected == [] and rec.dense_group == 3 and core[p].dense is None, rec
+        assert core[p].core[0][0] is swarm.dense[p][1] and (core[p].core[1][0] - want).abs().max() <= step
+        assert rec.bytes_sent == int(2 * sync_codec(swarm, p).wire_bytes(1000) * 2 / 3)  # the core alone
+    full = swarm.round({p: swarm.plan(p, index=2, refresh=False) for p in peers})
+    for p in peers:
+        assert full[p].record.rejected == [] and full[p].core is None and len(full[p].dense[1]) == 2
+    payloads = [swarm.ctx[p].payloads for p in peers]
+    refs = [(pl.reference_id(core_spec("t")), pl.reference_id(dense_spec("t"))) for pl in payloads]
+    assert all(c and d and c != d for c, d in refs) and len(set(refs)) == 1, refs
+    again = swarm.round({p: swarm.plan(p, index=3, refresh=False, core=(1,)) for p in peers})
+    assert all(again[p].record.rejected == [] for p in peers)
+    # the core group's change went against its own reference, which has moved on; the dense one's has not
+    assert all(pl.reference_id(core_spec("t")) not in ("", refs[0][0]) for pl in payloads)
+    assert all(pl.reference_id(dense_spec("t")) == refs[0][1] for pl in payloads)
+
+
+def sync_codec(swarm: Swarm, p: str):
+    return swarm.ctx[p].payloads.codec_for(core_spec("t"))
 
 
 def test_with_a_lossy_codec_a_copy_is_refreshed_from_the_change_against_it():

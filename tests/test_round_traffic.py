@@ -20,6 +20,9 @@ def test_the_count_follows_the_design_per_part_and_per_holder():
     assert (two.dense, two.experts, two.copies, two.per_peer) == (300, 40, 20, 360)
     # copies moved every 4th round (sync.refresh_every): a quarter of them per round, on the mean
     assert (two.mean_per_peer(), two.mean_per_peer(4)) == (360, 345)
+    # the core dense weights alone between full dense rounds (sync.embeddings_every)
+    core = RoundTraffic.of(ModelBytes(dense=100, expert=10, copy=5, core=20), [[0, 1], [2, 3]] * 2, 4)
+    assert (core.dense, core.core, core.mean_per_peer(4), core.mean_per_peer(4, 4)) == (300, 60, 345, 165)
     one = RoundTraffic.of(sizes, [[0], [1], [2], [3]], 4)  # sole holders: copies of the three others
     assert (one.experts, one.copies) == (0, 2 * 3 * 5)
     assert one.link_seconds(100) == one.per_peer / 2 / 12.5e6
@@ -42,6 +45,11 @@ def test_the_demo_config_predicts_what_its_model_tensors_add_up_to():
     )
     assert fp32.copies == 2 * 12 * 2 * one_expert  # 12 copies in and 12 out, in fp16
     assert 7 < fp32.dense / traffic.dense < 8  # fp32 against int4 and its block scales
+    # all dense weights but the embeddings and output head: a fifth of the dense bytes in the demo
+    core = [t.numel() for name, t in shapes.items() if ".experts." not in name and "embed" not in name
+            and "lm_head" not in name]  # fmt: skip
+    assert sizes.core == sum(codec_named("int4").wire_bytes(n) for n in core)
+    assert 0.2 < sizes.core / sizes.dense < 0.22 and traffic.core == int(4 * 3 / 4 * sizes.core)
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-gpu", "spes-1b", "spes-7b"])

@@ -122,6 +122,36 @@ def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_aft
         assert all(torch.equal(x, y) for x, y in zip(dense_tensors(peers[me][0]), ref, strict=True)), me
 
 
+def test_with_embeddings_every_rounds_between_full_ones_average_the_core_dense_weights():
+    """``sync.embeddings_every: 2``: every other sync point's round averages all the dense weights, the
+    others only the core ones (not the token embeddings or output head), in a group of their own that moves
+    fewer bytes; both keep their int8 references, and the last round leaves every replica alike."""
+    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, embeddings_every=2)
+    net = LocalNetwork(
+        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
+    )
+    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
+    out = run(peers, steps=40)
+    for me in experts:
+        ordinary = [rec for rec in out[me] if rec.started and not rec.last]
+        why = [(rec.step, rec.applied_groups, rec.rejected) for rec in ordinary]
+        core = [rec for rec in ordinary if rec.clean and "core" in rec.applied_groups]
+        full = [rec for rec in ordinary if rec.clean and "dense" in rec.applied_groups]
+        assert core and full and not any(set(r.applied_groups) >= {"core", "dense"} for r in ordinary), why
+        # the core is a fraction of the dense bytes (the experts' groups are the same in both)
+        assert max(r.bytes_sent for r in core) < min(r.bytes_sent for r in full), why
+        last = [rec for rec in out[me] if rec.started][-1]
+        assert last.last and "dense" in last.applied_groups and last.final_unsettled == [], last
+        assert "t_core_dense" in peers[me][1].transport.opened
+    for spec in (GroupSpec("t_dense", (DENSE,)), GroupSpec("t_core_dense", ("core",))):
+        held = [peers[me][1].ctx.payloads.reference_id(spec) for me in experts]
+        assert sum(bool(ref) for ref in held) >= 2, (spec, held)  # changes travelled in both groups
+    ref = dense_tensors(peers["a"][0])
+    for me in "bcd":
+        assert all(torch.equal(x, y) for x, y in zip(dense_tensors(peers[me][0]), ref, strict=True)), me
+
+
 def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apart():
     # groups met at the slot: one met early goes on within sync_every steps of the end (tested below)
     sync = dataclasses.replace(SYNC, sync_every_s=1.0, prematch_s=0)

@@ -30,7 +30,7 @@ from swarm.model.moe import MoELayer, load_balancing_loss, routed_token_counts, 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VOCAB_PAD = 128
-_VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors with one row per vocabulary entry
+VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors with one row per vocabulary entry
 
 
 @dataclass
@@ -110,7 +110,7 @@ class MoETransformer(nn.Module):
         for name, p in self.named_parameters():
             if ".experts." not in name:
                 shapes[name] = tuple(p.shape)
-                if name in _VOCAB_ROWS:
+                if name in VOCAB_ROWS:
                     shapes[name] = (cfg.vocab_size, *p.shape[1:])
         for layer in range(cfg.n_layers):
             gu, dn = _expert_keys(layer)
@@ -139,7 +139,7 @@ class MoETransformer(nn.Module):
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"{name}: shape {tuple(state[name].shape)}, expected {shape}")
         for name, p in self.dense_parameters().items():
-            if name in _VOCAB_ROWS:
+            if name in VOCAB_ROWS:
                 p[self.cfg.vocab_size :].zero_()
             self.unpadded(name, p).copy_(state[name])
         for layer, block in enumerate(self.layers):
@@ -171,11 +171,11 @@ class MoETransformer(nn.Module):
     def unpadded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (the parameter ``name``, or anything of its shape such as an optimizer moment) without
         the vocabulary padding rows; other tensors as they are."""
-        return tensor[: self.cfg.vocab_size] if name in _VOCAB_ROWS else tensor
+        return tensor[: self.cfg.vocab_size] if name in VOCAB_ROWS else tensor
 
     def padded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The inverse of ``unpadded``: zero rows appended up to ``padded_vocab``."""
-        if name not in _VOCAB_ROWS or tensor.shape[0] == self.padded_vocab:
+        if name not in VOCAB_ROWS or tensor.shape[0] == self.padded_vocab:
             return tensor
         pad = tensor.new_zeros(self.padded_vocab - tensor.shape[0], *tensor.shape[1:])
         return torch.cat([tensor, pad])

@@ -1,4 +1,5 @@
-"""Named views of the tensors a round exchanges: the dense weights, and expert e's weights in every layer.
+"""Named views of the tensors a round exchanges: the dense weights (and which of them are the core ones), and
+expert e's weights in every layer.
 
 The swarm always moves the canonical form (fp32, one expert = its gate_up and down in each layer), whatever
 the local split and the frozen dtype, so peers with different local experts exchange the same shapes.
@@ -14,12 +15,18 @@ from typing import TypeVar
 import torch
 
 from swarm.model import MoETransformer
+from swarm.model.transformer import VOCAB_ROWS
 
 R = TypeVar("R")
 
 
 def dense_names(model: MoETransformer) -> list[str]:
     return sorted(model.dense_parameters())
+
+
+def core_index(model: MoETransformer) -> tuple[int, ...]:
+    """Where the core dense weights (all but the token embeddings and output head) are in ``dense_tensors``."""
+    return tuple(i for i, name in enumerate(dense_names(model)) if name not in VOCAB_ROWS)
 
 
 def dense_tensors(model: MoETransformer) -> list[torch.Tensor]:

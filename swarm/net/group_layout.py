@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from swarm.net.membership import MembershipView
 
 DENSE = "dense"
+# the dense weights but the token embeddings and output head, averaged on their own at the sync points
+# between full dense rounds (``sync.embeddings_every``)
+CORE = "core"
 MAX_NAME = 64
 
 
@@ -53,10 +56,11 @@ def experts_group_name(run_id: str, experts: Sequence[int]) -> str:
 
 
 def layout(
-    run_id: str, me: str, local: Sequence[int], holders: Mapping[int, frozenset[str]]
+    run_id: str, me: str, local: Sequence[int], holders: Mapping[int, frozenset[str]], full: bool = True
 ) -> tuple[list[GroupSpec], list[int]]:
-    """The dense group, one group per set of local experts with the same holders (as this view sees
-    them), and the experts we hold alone (nothing to average; they are only served)."""
+    """The dense group (or, not ``full``, the core group: ``sync.embeddings_every``), one group per set of
+    local experts with the same holders (as this view sees them), and the experts we hold alone (nothing to
+    average; they are only served)."""
     by_holders: dict[frozenset[str], list[int]] = {}
     sole = []
     for e in sorted(local):
@@ -65,7 +69,7 @@ def layout(
             sole.append(e)
         else:
             by_holders.setdefault(who, []).append(e)
-    specs = [dense_spec(run_id)]
+    specs = [dense_spec(run_id) if full else core_spec(run_id)]
     for experts in sorted(by_holders.values()):
         specs.append(GroupSpec(experts_group_name(run_id, experts), tuple(map(expert_item, experts))))
     return specs, sole
@@ -163,10 +167,27 @@ def dense_spec(run_id: str) -> GroupSpec:
     return GroupSpec(f"{run_id}{DENSE_SUFFIX}", (DENSE,))
 
 
+def core_spec(run_id: str) -> GroupSpec:
+    """The core dense weights' group of a run (its name ends as the dense group's: transports average it in
+    the dense codec)."""
+    return GroupSpec(f"{run_id}_{CORE}{DENSE_SUFFIX}", (CORE,))
+
+
+def dense_group_names(run_id: str) -> set[str]:
+    """Both dense groups' names: a round opens one of them, and the other keeps its state meanwhile."""
+    return {dense_spec(run_id).name, core_spec(run_id).name}
+
+
+def is_dense(spec: GroupSpec) -> bool:
+    """Whether a group averages dense weights (all of them, or the core): every peer that trains is a
+    member, not only some expert's holders."""
+    return spec.items in ((DENSE,), (CORE,))
+
+
 def expected_members(spec: GroupSpec, view: MembershipView, me: str, last: bool = False) -> int:
     """How many members the group should have in our round (a ``last`` one or not), as our view sees it
     (ourselves included)."""
-    if spec.items == (DENSE,):
+    if is_dense(spec):
         return 1 + len(view.partners(me, ordinary=not last))
     return len(
         frozenset.intersection(*(view.holders.get(item_expert(i), frozenset()) | {me} for i in spec.items))
@@ -177,6 +198,6 @@ def reference_quorum(spec: GroupSpec, view: MembershipView, me: str) -> int:
     """How many members an ordinary round of the group needs for a lossy codec's reference to move on to its
     result (``round_payload``), as our view sees it: every peer that trains, or will once it has caught up,
     the group's items (ourselves included)."""
-    if spec.items == (DENSE,):
+    if is_dense(spec):
         return 1 + len(view.partners(me, ordinary=True, joining=True))
     return expected_members(spec, view, me)

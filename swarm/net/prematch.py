@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarm.net.group_layout import DENSE, GroupSpec, expected_members
+from swarm.net.group_layout import GroupSpec, expected_members, is_dense
 from swarm.net.round_checks import our_info
 from swarm.net.transport import Group
 
@@ -68,7 +68,7 @@ class Prematch:
         cannot be met early (an error here) is started at the slot as usual."""
         handles = {}
         for spec, group in groups:
-            if alone and spec.items == (DENSE,):
+            if alone and is_dense(spec):
                 continue
             reference = ctx.payloads.reference_id(spec)
             info = our_info(ctx, spec, view, step, index, False, weights, reference)

@@ -5,8 +5,9 @@
     result = run_round(plan, ctx, members.view)    # never takes longer than timing.round_s (+ a last
     result.record.rejected                         # round's wait for its shared start); failures listed
 
-The dense weights are averaged across the peers that show up and each group of local experts with the
-same holders among those holders (``group_layout``): with ``sync.aggregation: mean`` every item weighted by
+The dense weights (between full rounds with ``sync.embeddings_every``, the core ones: ``plan.core``) are
+averaged across the peers that show up and each group of local experts with the same holders among those
+holders (``group_layout``): with ``sync.aggregation: mean`` every item weighted by
 its tokens; with a robust rule every member equally, each one's pull bounded (``robust_mean``, reduced
 inside hivemind's all-reduce: ``ruled_allreduce``). Every outcome is
 verified before it is used (``round_checks``): each member's round info is well formed and of the same kind (last or
@@ -32,11 +33,14 @@ from swarm.net.expert_download import ExpertDownloads
 from swarm.net.expert_server import ExpertServer
 from swarm.net.expert_tensors import nbytes
 from swarm.net.group_layout import (
+    CORE,
     DENSE,
     GroupSpec,
     OpenGroups,
+    dense_group_names,
     expected_members,
     expert_item,
+    is_dense,
     pack,
 )
 from swarm.net.membership import MembershipView
@@ -80,12 +84,16 @@ class RoundPlan:
     slot: int | None = None
     # wall time: an ordinary round near a shared stop looks for members until then at most
     look_until: float | None = None
+    # where the core dense weights are in ``dense`` (``expert_tensors.core_index``): what a core group
+    # averages (``sync.embeddings_every``)
+    core: tuple[int, ...] = ()
 
 
 @dataclass
 class RoundResult:
     record: RoundRecord
     dense: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (snapshot, average)
+    core: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # the core dense weights', the same
     experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     downloads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     download_steps: dict[int, int] = field(default_factory=dict)  # the step each download is from
@@ -153,7 +161,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last, dense_group=1)  # until it runs
     rec.started_at = round(time.time() - (time.monotonic() - t0), 3)
     result = RoundResult(rec)
-    local = {DENSE: plan.dense} | {expert_item(e): ts for e, ts in plan.experts.items()}
+    local = {DENSE: plan.dense, CORE: [plan.dense[i] for i in plan.core]}
+    local |= {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)
     lagged = ctx.sync.lagged_refresh and not plan.last
     rec.expert_groups.update({str(e): 1 for e in plan.sole})
@@ -194,10 +203,11 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
             _monotonic(timing.next_meeting(plan.slot)),
         )
 
-    ctx.payloads.keep(spec.name for spec, _ in plan.groups)
+    # a round runs one of the two dense groups: the other's reference waits for its next round
+    ctx.payloads.keep({spec.name for spec, _ in plan.groups} | dense_group_names(ctx.run_id))
     for spec, group in plan.groups:
         early = plan.prematched.get(spec.name)
-        if plan.alone and spec.items == (DENSE,):
+        if plan.alone and is_dense(spec):
             if early is not None:  # met early, but nobody is in view now
                 leave(group, early)
             started.append((spec, group, None))
@@ -294,6 +304,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
                 prints = served_prints(dense, {**plan.frozen, **plan.experts}, plan.step, plan.copy_steps)
                 served = list(pack(spec, {DENSE: dense}, {DENSE: 1.0}))
                 _serve_quietly(group, served, meta | {"ref": ref_id} | prints, rec)
+        elif spec.items == (CORE,):  # serves nothing: a joiner takes the dense group's copy
+            rec.dense_group = size
         else:
             rec.expert_groups.update({i.removeprefix("expert"): size for i in spec.items})
             if lagged:  # served from our next refresh round's start
@@ -309,6 +321,8 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     groups_done.set()
     if DENSE in averaged:
         result.dense = (plan.dense, averaged[DENSE])
+    if CORE in averaged:
+        result.core = (local[CORE], averaged[CORE])
     for e in plan.experts:
         if expert_item(e) in averaged:
             result.experts[e] = (plan.experts[e], averaged[expert_item(e)])
@@ -334,7 +348,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     held = [*plan.dense, *(t for ts in plan.experts.values() for t in ts)]  # snapshots, then results
     held += [
         t
-        for pair in [result.dense, *result.experts.values()]
+        for pair in [result.dense, result.core, *result.experts.values()]
         if pair and pair[1] is not pair[0]
         for t in pair[1]
     ]
@@ -344,7 +358,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
 
 
 def _label(spec: GroupSpec) -> str:
-    return DENSE if spec.items == (DENSE,) else "experts " + ",".join(i[6:] for i in spec.items)
+    return spec.items[0] if is_dense(spec) else "experts " + ",".join(i[6:] for i in spec.items)
 
 
 def _serve_quietly(group, tensors, meta, rec: RoundRecord) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.net.group_layout import DENSE, GroupSpec, expected_members, reference_quorum
+from swarm.net.group_layout import DENSE, GroupSpec, expected_members, is_dense, reference_quorum
 from swarm.net.round_consensus import FAILED_DIGEST, abs_sums, await_digests, digest, group_key
 from swarm.net.round_info import (
     REFERENCES_DIFFER,
@@ -158,12 +158,7 @@ def unbounded_pair(spec: GroupSpec, infos: list[RoundInfo], ctx: RoundContext) -
     that both drop it: by its own view alone, in a demo's first round, one member of a pair dropped it and
     the other applied it. Expert groups of two holders (r = 2) have no third member to ask: they are kept,
     with the checks every result passes."""
-    return (
-        not weighted(ctx)
-        and spec.items == (DENSE,)
-        and len(infos) == 2
-        and max(i.in_view for i in infos) >= 3
-    )
+    return not weighted(ctx) and is_dense(spec) and len(infos) == 2 and max(i.in_view for i in infos) >= 3
 
 
 def tell_failed(spec: GroupSpec, outcome: GroupOutcome, ctx: RoundContext, deadline: float) -> bool:

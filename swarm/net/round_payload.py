@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import SyncConfig
-from swarm.net.group_layout import DENSE, GroupSpec, pack, unpack
+from swarm.net.group_layout import GroupSpec, is_dense, pack, unpack
 from swarm.sync.codecs import Codec, codec_named
 
 
@@ -71,7 +71,7 @@ class Payloads:
         return cls(codec_named(sync.codec), sync.error_feedback, codec_named(sync.dense_codec_name))
 
     def codec_for(self, spec: GroupSpec) -> Codec:
-        return self.dense_codec if spec.items == (DENSE,) else self.codec
+        return self.dense_codec if is_dense(spec) else self.codec
 
     @property
     def lossless(self) -> bool:

@@ -23,9 +23,16 @@ import torch
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
 from swarm.net.copy_server import CopyServer
-from swarm.net.expert_tensors import dense_tensors, expert_tensors, overwrite, side_stream, snapshot
+from swarm.net.expert_tensors import (
+    core_index,
+    dense_tensors,
+    expert_tensors,
+    overwrite,
+    side_stream,
+    snapshot,
+)
 from swarm.net.first_round import first_step_joins, partners_rounded
-from swarm.net.group_layout import DENSE, expert_item, layout
+from swarm.net.group_layout import CORE, DENSE, dense_group_names, expert_item, layout
 from swarm.net.membership import Membership
 from swarm.net.prematch import Prematch
 from swarm.net.round import RoundContext, RoundPlan, RoundResult, run_round
@@ -152,16 +159,24 @@ class SwarmSync:
             or self._near_last_round(report, slot=slot)
         ):
             return
-        specs, _ = layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), self.members.view.holders)
+        specs, _ = self._layout(model, slot)
         alone = not self.members.view.partners(self.ctx.me, ordinary=True)
         self._early = Prematch.begin(
             self.ctx, self.members.view, slot, self.round_index + 1, report.step, self._weights(model),
             (self._tokens, self._expert_tokens.clone()), self._groups(model, specs), alone, at,
         )  # fmt: skip
 
+    def _layout(self, model: MoETransformer, point: int, last: bool = False):
+        """(groups, experts held alone) of a round at sync ``point``: every ``sync.embeddings_every``-th
+        averages all the dense weights, the others the core ones; a ``last`` round all of them."""
+        full = last or point % self.sc.embeddings_every == 0
+        view = self.members.view
+        return layout(self.ctx.run_id, self.ctx.me, list(model.local_experts), view.holders, full)
+
     def _groups(self, model: MoETransformer, specs) -> list:
         """The layout's groups, opened on first use (``OpenGroups``) with our tensors' shapes."""
-        local_tensors = {DENSE: dense_tensors(model)} | {
+        dense = dense_tensors(model)
+        local_tensors = {DENSE: dense, CORE: [dense[i] for i in core_index(model)]} | {
             expert_item(e): expert_tensors(model, e) for e in model.local_experts
         }
         return [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
@@ -228,6 +243,7 @@ class SwarmSync:
         """Each item's tokens since the last round, in sync intervals' worth."""
         unit = max(1.0, float(self.sc.sync_every * max(1, self._step_tokens)))  # same on every peer
         weights = {DENSE: max(1.0, self._tokens) / unit}
+        weights[CORE] = weights[DENSE]
         weights |= {
             expert_item(e): max(1.0, float(self._expert_tokens[e])) / unit for e in model.local_experts
         }
@@ -247,10 +263,11 @@ class SwarmSync:
             # pairs. Later rounds (and a joiner's first, met early) find groups met in rounds past
             self.members.refresh(timeout=self.timing.matchmaking_s / 2)
         local = list(model.local_experts)
-        specs, sole = layout(self.ctx.run_id, self.ctx.me, local, self.members.view.holders)
+        last = scheduled is not None or self.leaving
+        # groups met early at our last step are the next slot's
+        specs, sole = self._layout(model, max(self._point, early.slot if early else 0), last)
         if early is not None and (
-            scheduled is not None
-            or self.leaving
+            last
             or early.index != self.round_index
             or early.slot < self._slot
             or [spec for spec, _ in early.groups] != specs  # our experts or their holders changed since
@@ -258,7 +275,6 @@ class SwarmSync:
             early.cancel()
             early = None
         # an ordinary wall-clock round's slot: that of its early meeting (at our last step, the next one)
-        last = scheduled is not None or self.leaving
         slot = None if last else early.slot if early is not None else self._slot
         # no partner given our stop time starts an ordinary round after its last start: looking for members
         # longer than a matchmaking time past it only keeps our last round (and theirs) waiting
@@ -292,6 +308,7 @@ class SwarmSync:
             prematched=early.handles if early is not None else {},
             slot=slot,
             look_until=look_until,
+            core=core_index(model),
         )
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
         self._in_flight_until = time.monotonic() + wait + self.timing.join_round_s
@@ -326,8 +343,9 @@ class SwarmSync:
         while not self._results.empty():
             records.append(self._apply(model, self._results.get()))
         if records and not self.round_running():  # groups the layout no longer names: closed between rounds
-            specs, _ = layout(self.ctx.run_id, self.ctx.me, model.local_experts, self.members.view.holders)
-            self.transport.close_groups(self.ctx.groups.retire({s.name for s in specs}))
+            specs, _ = self._layout(model, self._point)
+            keep = {s.name for s in specs} | dense_group_names(self.ctx.run_id)  # the next round's may differ
+            self.transport.close_groups(self.ctx.groups.retire(keep))
         return records
 
     def _apply(self, model: MoETransformer, result: RoundResult) -> RoundRecord:
@@ -337,6 +355,12 @@ class SwarmSync:
         if result.dense is not None:
             self._outer(outer, DENSE, dense_tensors(model), *result.dense)
             applied.append(DENSE)
+        if result.core is not None:  # the same outer state as those tensors' in a full dense round
+            dense, where = dense_tensors(model), core_index(model)
+            keys = [f"{DENSE}.{i}" for i in where]
+            views = [dict(zip(keys, ts, strict=True)) for ts in ([dense[i] for i in where], *result.core)]
+            outer.apply(*views)
+            applied.append(CORE)
         for e, (snap, avg) in result.experts.items():
             if e in model.local_experts and not (
                 avg is snap and outer.plain

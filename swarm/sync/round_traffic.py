@@ -3,6 +3,7 @@
     traffic = round_traffic(cfg)             # 4 peers x 4 of 16 experts by default (E / per_peer peers)
     traffic.per_peer                         # bytes a peer sends and receives in one (refresh) round
     traffic.mean_per_peer(4)                 # per round, over many, with copies every 4th (refresh_every)
+    traffic.mean_per_peer(4, 8)              # and all the dense weights every 8th, the core ones between
     traffic.link_seconds(100)                # the least time that takes over 100 Mbit/s each way
     slow_link_advice(cfg)                    # what to raise where a round cannot fit such a link, or None
 
@@ -10,7 +11,9 @@ The design's count (``swarm-demo``'s summary sets it beside what its peers measu
 (butterfly: 2(n-1)/n of the dense weights sent and as much received), each own expert's all-reduce among
 its r holders (4(r-1)/r of its bytes), and the non-local experts' copies, received by a peer and served by
 their holders (fp16 copies with a lossless codec, encoded changes with a lossy one), which move only in
-refresh rounds (every ``sync.refresh_every``-th). Each tensor at its codec's size on the wire
+refresh rounds (every ``sync.refresh_every``-th). With ``sync.embeddings_every`` the dense all-reduce moves
+all the dense weights every that many rounds and the core ones (all but the token embeddings and output
+head) in the others. Each tensor at its codec's size on the wire
 (``Codec.wire_bytes``). hivemind's framing and matchmaking add about 5% (a demo measured 7.61 MB a round
 against the 7.27 predicted).
 """
@@ -25,6 +28,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.model import MoETransformer
+from swarm.model.transformer import VOCAB_ROWS
 from swarm.sync.codecs import Codec, codec_named
 
 REFERENCE_MBIT = 100.0  # the link speed the presets are sized for: an ordinary fibre or cable line
@@ -34,17 +38,18 @@ ROUND_OVER_LINK = 1.5
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """Wire bytes of the dense weights (``dense_codec``), of one expert over all layers (``codec``), and of
-    one expert's copy (fp16 with a lossless codec, else ``codec``)."""
+    """Wire bytes of the dense weights (``dense_codec``), of one expert over all layers (``codec``), of one
+    expert's copy (fp16 with a lossless codec, else ``codec``), and of the core dense weights."""
 
     dense: int
     expert: int
     copy: int
+    core: int = 0
 
     @classmethod
     def of(cls, shapes: Mapping[str, Sequence[int]], codec: Codec, dense_codec: Codec) -> ModelBytes:
         """From the canonical tensors' shapes (an expert tensor is [n_experts, ...])."""
-        dense = expert = copy = 0
+        dense = expert = copy = core = 0
         for name, shape in shapes.items():
             numel = math.prod(shape)
             if ".experts." in name:
@@ -53,7 +58,8 @@ class ModelBytes:
                 copy += 2 * one if codec.lossless else codec.wire_bytes(one)
             else:
                 dense += dense_codec.wire_bytes(numel)
-        return cls(dense, expert, copy)
+                core += 0 if name in VOCAB_ROWS else dense_codec.wire_bytes(numel)
+        return cls(dense, expert, copy, core)
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,19 @@ class RoundTraffic:
     dense: int  # the dense all-reduce
     experts: int  # own experts' all-reduces with their other holders (none with one holder each)
     copies: int  # non-local experts' copies received, and own experts' copies served
+    core: int = 0  # the dense all-reduce of a round that averages the core dense weights only
 
     @property
     def per_peer(self) -> int:
         """A refresh round's bytes: the most any round moves (what a link and a round's timeout must fit)."""
         return self.dense + self.experts + self.copies
 
-    def mean_per_peer(self, refresh_every: int = 1) -> float:
+    def mean_per_peer(self, refresh_every: int = 1, embeddings_every: int = 1) -> float:
         """Bytes per round over many rounds when the copies move only in every ``refresh_every``-th
-        (``sync.refresh_every``): what a peer's link carries on average, round after round."""
-        return self.dense + self.experts + self.copies / refresh_every
+        (``sync.refresh_every``) and all the dense weights in every ``embeddings_every``-th, the core ones
+        in the others (``sync.embeddings_every``): what a peer's link carries on average, round after round."""
+        dense = (self.dense + (embeddings_every - 1) * self.core) / embeddings_every
+        return dense + self.experts + self.copies / refresh_every
 
     def link_seconds(self, mbit: float) -> float:
         """The least time the round takes on a link of ``mbit`` Mbit/s each way (half of it is sent)."""
@@ -86,7 +95,8 @@ class RoundTraffic:
         holders = [sum(e in ex for ex in experts) for e in range(n_experts)]
         own = sum(4 * (h - 1) * sizes.expert for h in holders if h > 0)  # h members x 4(h-1)/h each
         copies = 2 * sum(n_experts - len(ex) for ex in experts) * sizes.copy
-        return cls(n, int(4 * (n - 1) / n * sizes.dense), int(own / n), int(copies / n))
+        dense, core = (int(4 * (n - 1) / n * b) for b in (sizes.dense, sizes.core))
+        return cls(n, dense, int(own / n), int(copies / n), core)
 
 
 def round_traffic(cfg: RunConfig, peers: int | None = None) -> RoundTraffic:

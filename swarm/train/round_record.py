@@ -21,13 +21,13 @@ class RoundRecord:
     applied: bool = False
     reason: str = ""  # why no round started at this sync point; "" when one ran
     last: bool = False
-    dense_group: int = 0  # members of the dense group (1: averaged alone, i.e. not at all)
+    dense_group: int = 0  # members of the dense (or core) group (1: averaged alone, i.e. not at all)
     expert_groups: dict[str, int] = field(default_factory=dict)  # expert -> members of its group
     members: dict[str, list[str]] = field(default_factory=dict)  # group item -> member id tails
     rejected: list[str] = field(default_factory=list)  # each failure: which group or expert, and why
     download_failures: list[str] = field(default_factory=list)
     downloaded: list[int] = field(default_factory=list)
-    applied_groups: list[str] = field(default_factory=list)  # "dense", "expert3", ...
+    applied_groups: list[str] = field(default_factory=list)  # "dense" (or "core"), "expert3", ...
     merge_alpha: float | None = None
     bytes_sent: int = 0  # payload by arithmetic: all-reduce parts and downloads
     bytes_recv: int = 0
