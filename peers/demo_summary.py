@@ -165,9 +165,10 @@ def print_summary(s: dict, formed_s: float | None) -> None:
     if pred and measured:
         mean = sum(measured) / len(measured)
         every = s.get("refresh_every", 1)
-        copies = f" (copies every {every} rounds)" if every > 1 else ""
+        spacing = [f"copies every {every} rounds"] if every > 1 else []
         if s.get("embeddings_every", 1) > 1:
-            copies += f" (all dense weights every {s['embeddings_every']} rounds, the core ones between)"
+            spacing.append(f"all dense weights every {s['embeddings_every']} rounds, the core ones between")
+        copies = f" ({'; '.join(spacing)})" if spacing else ""
         print(
             f"bytes per peer per round: measured {mean / 1e6:.2f} MB (I/O of each peer's p2pd from its first "
             f"ordinary round to its last, mean over peers), design predicts {pred / 1e6:.2f} MB{copies}: "
