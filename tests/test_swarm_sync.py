@@ -19,6 +19,22 @@ from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run
 pytestmark = pytest.mark.timeout(90)
 
 
+PAIRS = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
+
+
+def run_int8_pairs(steps: int, **changes) -> tuple[dict, dict]:
+    """Four peers, two holders per expert (``PAIRS``), int8 rounds on a 1 s wall clock, ``changes`` to
+    ``SYNC`` on top: (peers, each one's records). On the wall clock because four peers' step counts drift
+    apart on a busy machine, and rounds on steps then split into two pairs now and then (each rejected: no
+    majority), leaving too few rounds to test."""
+    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, **changes)
+    net = LocalNetwork(
+        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
+    )
+    peers = {me: peer(net, me, PAIRS[me], seed=i, sync=sync) for i, me in enumerate(PAIRS)}
+    return peers, run(peers, steps=steps)
+
+
 @pytest.mark.parametrize("r", [2, 4])
 def test_replicas_agree_after_the_last_round(r):
     net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
@@ -62,15 +78,8 @@ def test_replicas_agree_after_the_last_round(r):
 
 
 def test_with_int8_rounds_send_changes_and_replicas_still_agree_after_the_last_round():
-    # rounds on the wall clock: four peers' step counts drift apart on a busy machine, and rounds on steps
-    # then split into two pairs now and then (each rejected: no majority), leaving too few rounds to test
-    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0)
-    net = LocalNetwork(
-        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
-    )
-    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = run(peers, steps=36)
+    peers, out = run_int8_pairs(36)
+    experts = PAIRS
     for me in experts:
         started = [rec for rec in out[me] if rec.started]
         assert sum(rec.clean for rec in started) >= 2, [(rec.step, rec.rejected) for rec in started]
@@ -99,13 +108,8 @@ def test_with_prematch_groups_meet_before_each_slot_and_replicas_still_agree_aft
     """``sync.prematch_s``: each ordinary round's groups meet before its slot (their matchmaking is over when
     the round begins), an int8 round's payload is still the change since the agreed result, and the last
     round (met at its own scheduled time) leaves every replica alike."""
-    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, prematch_s=0.4)
-    net = LocalNetwork(
-        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
-    )
-    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = run(peers, steps=36)
+    peers, out = run_int8_pairs(36, prematch_s=0.4)
+    experts = PAIRS
     for me in experts:
         ordinary = [rec for rec in out[me] if rec.started and not rec.last]
         early = [rec for rec in ordinary if "dense" in rec.met_early]
@@ -126,13 +130,8 @@ def test_with_embeddings_every_rounds_between_full_ones_average_the_core_dense_w
     """``sync.embeddings_every: 2``: every other sync point's round averages all the dense weights, the
     others only the core ones (not the token embeddings or output head), in a group of their own that moves
     fewer bytes; both keep their int8 references, and the last round leaves every replica alike."""
-    sync = dataclasses.replace(SYNC, codec="int8", sync_every_s=1.0, embeddings_every=2)
-    net = LocalNetwork(
-        SYNC.matchmaking_s, codec=codec_named("int8"), dense_codec=codec_named(sync.dense_codec_name)
-    )
-    experts = {"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [2, 3]}
-    peers = {me: peer(net, me, experts[me], seed=i, sync=sync) for i, me in enumerate(experts)}
-    out = run(peers, steps=40)
+    peers, out = run_int8_pairs(40, embeddings_every=2)
+    experts = PAIRS
     for me in experts:
         ordinary = [rec for rec in out[me] if rec.started and not rec.last]
         why = [(rec.step, rec.applied_groups, rec.rejected) for rec in ordinary]
