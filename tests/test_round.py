@@ -270,14 +270,16 @@ def test_the_dense_group_may_travel_in_a_codec_of_its_own():
 
 def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
     """``sync.embeddings_every``: between full dense rounds a round averages only the core dense weights (here
-    the second of two tensors), in a dense-codec group of every peer, to their exact mean; each dense group
-    keeps its own reference across the other's rounds, so both send changes once they have one."""
+    the second of two tensors), in a dense-codec group of every peer, to their exact mean. Each dense group's
+    result is the other's reference for the core weights, so that each round's changes of them span one
+    round, and members that applied the same rounds name their references alike."""
     peers = {"a": [0], "b": [1], "c": [2]}
     sync = SyncConfig(codec="int8", dense_codec="int8", error_feedback=False, aggregation="mean")
     swarm = Swarm(peers, sync=sync)
     for i, p in enumerate(peers):  # the "embeddings" first, the core after; large enough to be encoded
         g = torch.Generator().manual_seed(i)
         swarm.dense[p] = [torch.randn(60, 50, generator=g), torch.randn(20, 50, generator=g)]
+        swarm.ctx[p] = dataclasses.replace(swarm.ctx[p], core=(1,))  # as SwarmSync sets it
     plans = {p: swarm.plan(p, index=1, refresh=False, core=(1,)) for p in peers}
     assert [spec for spec, _ in plans["a"].groups][0] == core_spec("t")
     core = swarm.round(plans)
@@ -288,17 +290,35 @@ def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
         assert rec.rejected == [] and rec.dense_group == 3 and core[p].dense is None, rec
         assert core[p].core[0][0] is swarm.dense[p][1] and (core[p].core[1][0] - want).abs().max() <= step
         assert rec.bytes_sent == int(2 * sync_codec(swarm, p).wire_bytes(1000) * 2 / 3)  # the core alone
+    payloads = {p: swarm.ctx[p].payloads for p in peers}
+
+    def refs(p: str) -> tuple:
+        return tuple(payloads[p].reference(spec) for spec in (dense_spec("t"), core_spec("t")))
+
+    assert all(refs(p)[0] == ("", None) and refs(p)[1][0] for p in peers)  # no full round yet
     full = swarm.round({p: swarm.plan(p, index=2, refresh=False) for p in peers})
     for p in peers:
         assert full[p].record.rejected == [] and full[p].core is None and len(full[p].dense[1]) == 2
-    payloads = [swarm.ctx[p].payloads for p in peers]
-    refs = [(pl.reference_id(core_spec("t")), pl.reference_id(dense_spec("t"))) for pl in payloads]
-    assert all(c and d and c != d for c, d in refs) and len(set(refs)) == 1, refs
+        (dense_id, dense), (core_id, core_ref) = refs(p)
+        assert core_id == dense_id == refs("a")[0][0]  # named by the full round, on every member
+        assert torch.equal(core_ref["core"][0], full[p].dense[1][1])
+    full_ids = {p: refs(p)[0][0] for p in peers}
     again = swarm.round({p: swarm.plan(p, index=3, refresh=False, core=(1,)) for p in peers})
-    assert all(again[p].record.rejected == [] for p in peers)
-    # the core group's change went against its own reference, which has moved on; the dense one's has not
-    assert all(pl.reference_id(core_spec("t")) not in ("", refs[0][0]) for pl in payloads)
-    assert all(pl.reference_id(dense_spec("t")) == refs[0][1] for pl in payloads)
+    for p in peers:
+        assert again[p].record.rejected == [], again[p].record
+        (dense_id, dense), (core_id, _) = refs(p)
+        # the dense reference: the full round's embeddings, this core round's core weights, named by both
+        assert dense_id == f"{full_ids[p]}~{core_id}" and core_id != full_ids[p], (dense_id, core_id)
+        assert torch.equal(dense["dense"][0], full[p].dense[1][0])
+        assert torch.equal(dense["dense"][1], again[p].core[1][0])
+    assert len({refs(p)[0][0] for p in peers}) == 1
+    # the next full round sends changes against that reference, and every member holds it alike
+    last = swarm.round({p: swarm.plan(p, index=4, refresh=False) for p in peers})
+    want = weighted_mean([(1.0, swarm.dense[p]) for p in peers])
+    for p in peers:
+        assert last[p].record.rejected == [], last[p].record
+        for got, w in zip(last[p].dense[1], want, strict=True):
+            assert (got - w).abs().max() <= 2 * max(t.abs().max().item() for t in swarm.dense[p]) / 127
 
 
 def sync_codec(swarm: Swarm, p: str):

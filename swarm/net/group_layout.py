@@ -173,6 +173,13 @@ def core_spec(run_id: str) -> GroupSpec:
     return GroupSpec(f"{run_id}_{CORE}{DENSE_SUFFIX}", (CORE,))
 
 
+def sibling(spec: GroupSpec) -> GroupSpec:
+    """The run's other dense group: the core one of the dense one, and back."""
+    if spec.items == (DENSE,):
+        return core_spec(spec.name.removesuffix(DENSE_SUFFIX))
+    return dense_spec(spec.name.removesuffix(f"_{CORE}{DENSE_SUFFIX}"))
+
+
 def dense_group_names(run_id: str) -> set[str]:
     """Both dense groups' names: a round opens one of them, and the other keeps its state meanwhile."""
     return {dense_spec(run_id).name, core_spec(run_id).name}

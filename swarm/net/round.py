@@ -117,6 +117,9 @@ class RoundContext:
     # the swarm as the heartbeat thread sees it now (None: only the view a round starts with), so that a
     # round waiting for a member's digest can tell a member that died from one that is slow
     view_now: Callable[[], MembershipView] | None = None
+    # where the core dense weights are in the dense ones when the swarm averages them on their own
+    # (``sync.embeddings_every`` > 1): each dense group's result is the other's reference for them
+    core: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.payloads is None:

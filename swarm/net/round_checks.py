@@ -204,6 +204,7 @@ def confirm_outcome(
         add_time(spent, "verify", t)
         return None, str(e)
     infos = [RoundInfo.from_msg(v, len(spec.items)) for v in outcome.members.values()]  # check_outcome's
-    ctx.payloads.commit(spec, payload, averages, key, reference_moves(infos, len(outcome.members)))
+    moves = reference_moves(infos, len(outcome.members))
+    ctx.payloads.commit(spec, payload, averages, key, moves, ctx.core)
     add_time(spent, "verify", t)
     return averages, ""

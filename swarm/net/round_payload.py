@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import SyncConfig
-from swarm.net.group_layout import GroupSpec, is_dense, pack, unpack
+from swarm.net.group_layout import CORE, DENSE, GroupSpec, is_dense, pack, sibling, unpack
 from swarm.sync.codecs import Codec, codec_named
 
 
@@ -137,22 +137,47 @@ class Payloads:
         averages: Mapping[str, list[torch.Tensor]],
         agreed_id: str,
         moves: bool = True,
+        core: Sequence[int] = (),
     ) -> None:
         """The round was applied: the codec's error is the next residual, and its result the group's next
         reference if it ``moves`` on (``round_info.reference_moves``); else the next round's changes are
-        against the same reference as this one's were (they include this round's change)."""
+        against the same reference as this one's were (they include this round's change). ``core``: where
+        the core dense weights are in the dense ones, when a swarm averages them on their own
+        (``sync.embeddings_every``): a dense group's result is then the other one's reference for them too."""
         if self.codec_for(spec).lossless:
             return
         with self._lock:
             if moves:
                 self._refs[spec.name] = (agreed_id, {i: [t.clone() for t in averages[i]] for i in spec.items})
                 self._held.pop(spec.name, None)
+                if core and is_dense(spec):
+                    self._rebase_sibling(spec, agreed_id, core)
             else:
                 self._held[spec.name] = self._held.get(spec.name, 0) + 1
             if sent.residuals is not None:
                 self._residuals[spec.name] = sent.residuals
             else:
                 self._residuals.pop(spec.name, None)
+
+    def _rebase_sibling(self, spec: GroupSpec, agreed_id: str, core: Sequence[int]) -> None:
+        """After a dense group's reference moved on to ``agreed_id``, its core weights are the agreed state
+        of the other dense group's too: the next round of that group sends their change since this round,
+        not since its own last one (in int4, a full round's changes of the core weights would otherwise span
+        ``embeddings_every`` rounds). Every member that applied the same rounds holds the same ids: a full
+        round's core reference is named by that round, the dense reference after a core round by the full
+        round it came from and the core round ("F~C")."""
+        other, new = sibling(spec), self._refs[spec.name][1]
+        if spec.items == (DENSE,):
+            self._refs[other.name] = (agreed_id, {CORE: [new[DENSE][i] for i in core]})
+        elif other.name in self._refs:
+            ref_id, old = self._refs[other.name]
+            dense = list(old[DENSE])
+            for i, t in zip(core, new[CORE], strict=True):
+                dense[i] = t
+            self._refs[other.name] = (f"{ref_id.split('~')[0]}~{agreed_id}", {DENSE: dense})
+        else:
+            return
+        self._held.pop(other.name, None)
 
     def keep(self, names: Iterable[str]) -> None:
         """Forget the state of groups no longer in the layout (their members changed, or the experts)."""

@@ -65,8 +65,9 @@ class SwarmSync:
         self.transport, self.last_round_at, self.wire_meter = transport, last_round_at, wire_meter
         self.n_experts, self.device = cfg.model.n_experts, model.embed.weight.device
         self.outer = OuterStep(self.sc.sync_alpha, self.sc.outer_momentum)
+        core = core_index(model) if self.sc.embeddings_every > 1 else ()
         self.ctx = replace(
-            RoundContext.build(cfg, store, transport, self.timing), view_now=lambda: members.view
+            RoundContext.build(cfg, store, transport, self.timing), view_now=lambda: members.view, core=core
         )
         self.ctx.server.update(
             {expert_item(e): expert_tensors(model, e) for e in model.local_experts}, 0, False
