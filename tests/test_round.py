@@ -9,6 +9,7 @@ import torch
 from swarm.config import SyncConfig
 from swarm.net.group_layout import DENSE, core_spec, dense_spec, expert_item, layout
 from swarm.net.local_transport import Fault
+from swarm.net.round_payload import rebased_id
 from tests.local_swarm import N_EXPERTS, TIMING, Swarm, near_copy, weighted_mean
 
 pytestmark = pytest.mark.timeout(60)
@@ -308,7 +309,7 @@ def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
         assert again[p].record.rejected == [], again[p].record
         (dense_id, dense), (core_id, _) = refs(p)
         # the dense reference: the full round's embeddings, this core round's core weights, named by both
-        assert dense_id == f"{full_ids[p]}~{core_id}" and core_id != full_ids[p], (dense_id, core_id)
+        assert dense_id == rebased_id(full_ids[p], core_id) and core_id != full_ids[p], (dense_id, core_id)
         assert torch.equal(dense["dense"][0], full[p].dense[1][0])
         assert torch.equal(dense["dense"][1], again[p].core[1][0])
     assert len({refs(p)[0][0] for p in peers}) == 1

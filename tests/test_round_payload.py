@@ -2,8 +2,9 @@
 
 import torch
 
-from swarm.net.group_layout import GroupSpec
-from swarm.net.round_payload import Payloads
+from swarm.net.group_layout import GroupSpec, sibling
+from swarm.net.round_info import MAX_REFERENCE, RoundInfo
+from swarm.net.round_payload import Payloads, rebased_id
 from swarm.sync.codecs import codec_named
 
 SPEC = GroupSpec("t_experts_0_1", ("expert0", "expert1"))
@@ -83,3 +84,15 @@ def test_a_round_short_of_its_quorum_keeps_the_reference_and_the_next_change_inc
     )
     payloads.commit(SPEC, nxt, later, "r3")
     assert payloads.reference_id(SPEC) == "r3" and payloads.held(SPEC) == 0
+
+
+def test_a_rebased_reference_id_names_both_rounds_and_fits_a_round_info_however_long_theirs():
+    full, core, later = "f" * MAX_REFERENCE, "c" * MAX_REFERENCE, "d" * MAX_REFERENCE
+    once = rebased_id(full, core)
+    assert once == rebased_id(full, core) and len(once) <= MAX_REFERENCE
+    # a later core round replaces the core part again: the full round it came from stays in the name
+    assert rebased_id(once, later) == rebased_id(full, later) != once
+    info = RoundInfo(step=1, round=1, last=False, weights=(1.0,), reference=once)
+    assert RoundInfo.from_msg(info.to_msg(), 1) == info
+    assert sibling(GroupSpec("run_dense", ("dense",))) == GroupSpec("run_core_dense", ("core",))
+    assert sibling(GroupSpec("run_core_dense", ("core",))) == GroupSpec("run_dense", ("dense",))

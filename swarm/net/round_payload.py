@@ -18,6 +18,9 @@ serves its reference: ``run_round``), so the next round sends changes again. An 
 no reference, so all of them forget theirs, and its next round sends weights (against a zero reference) to
 start a common one: had the majority kept theirs, every later round of the group would be dropped.
 
+With ``sync.embeddings_every`` the dense weights travel in two groups (all of them, or the core ones), and
+each group's agreed result becomes the other's reference for the core weights (``commit``'s ``core``).
+
 Error feedback: a member adds what the codec dropped from its last sent payload to the next one, so
 quantisation error is delayed, never lost. The residual is the exact difference between what was encoded and
 what a receiver decodes (``Codec.roundtrip`` is what the wire does), kept only once the round is applied.
@@ -29,6 +32,7 @@ codec's pass over the tensors runs during the all-reduce instead of before match
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +56,18 @@ class SentPayload:
         if self.feedback is None:
             return None
         return [t - self.feedback.roundtrip(t) for t in list(self.tensors)[:-1]]
+
+
+def rebased_id(ref_id: str, core_id: str) -> str:
+    """The id of a dense reference whose core weights a core round ``core_id`` replaced: the full round it came
+    from (``ref_id``, or the part before "~" of one rebased before) and that core round, hashed short so that
+    it stays within what a round info may carry (``round_info.MAX_REFERENCE``)."""
+    base = ref_id.split("~")[0] if "~" in ref_id else _short(ref_id)
+    return f"{base}~{_short(core_id)}"
+
+
+def _short(ref_id: str) -> str:
+    return hashlib.sha256(ref_id.encode()).hexdigest()[:24]
 
 
 class Payloads:
@@ -165,7 +181,7 @@ class Payloads:
         not since its own last one (in int4, a full round's changes of the core weights would otherwise span
         ``embeddings_every`` rounds). Every member that applied the same rounds holds the same ids: a full
         round's core reference is named by that round, the dense reference after a core round by the full
-        round it came from and the core round ("F~C")."""
+        round it came from and the core round (``rebased_id``)."""
         other, new = sibling(spec), self._refs[spec.name][1]
         if spec.items == (DENSE,):
             self._refs[other.name] = (agreed_id, {CORE: [new[DENSE][i] for i in core]})
@@ -174,7 +190,7 @@ class Payloads:
             dense = list(old[DENSE])
             for i, t in zip(core, new[CORE], strict=True):
                 dense[i] = t
-            self._refs[other.name] = (f"{ref_id.split('~')[0]}~{agreed_id}", {DENSE: dense})
+            self._refs[other.name] = (rebased_id(ref_id, agreed_id), {DENSE: dense})
         else:
             return
         self._held.pop(other.name, None)
