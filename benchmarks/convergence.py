@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-set", action="append", default=[], metavar="ROW:KEY=VALUE",
                     help="a config override for one swarm row only")  # fmt: skip
     args = ap.parse_args(argv)
+    # SIGTERM as Ctrl+C: the swarm rows' ``finally`` then stops their peers and bootstrap (each in a session
+    # of its own), which the default action would leave running
+    signal.signal(signal.SIGTERM, _interrupt)
     steps = 60 if args.quick else args.steps
     if args.rows is None:
         args.rows = list(QUICK_ROWS if args.quick else ROWS)
@@ -222,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             _save(runs, summaries, Path(args.out), args, steps)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _alpha_momentum(text: str) -> tuple[float, float]:
@@ -344,4 +352,8 @@ def _save(runs: dict, summaries: list[dict], out: Path, args, steps: int) -> Non
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl+C or SIGTERM: the runs' processes are stopped by now
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -413,3 +414,56 @@ def test_split_intervals_run_through_a_codec_and_merges(tiny_config):
     for res in runs.values():
         assert math.isfinite(res.val_loss) and 0 < res.val_loss < 8.0, res
     assert runs["coded"].val_loss != runs["plain"].val_loss
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.swarm
+def test_sigterm_stops_the_benchmark_and_the_swarm_it_started(tiny_config, tiny_data, tmp_path):
+    """A swarm row's bootstrap and peers run in sessions of their own: SIGTERM to the benchmark stops them
+    too (as Ctrl+C does), and it exits 130 within the peers' own shutdown bound."""
+    import signal
+    import time
+
+    keep, started = tmp_path / "runs", []
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--config", str(tiny_config),
+         "--corpus", str(tiny_data), "--rows", "swarm", "--steps", "5000", "--peers", "2",
+         "--keep", str(keep), "--json"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(started) < 3:  # the bootstrap and both peers
+            time.sleep(0.5)
+            started = _children(proc.pid) if (keep / "swarm" / "peer1.log").exists() else []
+        assert len(started) == 3, (started, proc.poll())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+        assert not [pid for pid in started if _alive(pid)], started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:  # on a failure: each child leads a session of its own (its p2pd with it)
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
