@@ -79,17 +79,17 @@ class Swarm:
 
     def plan(self, me: str, index: int = 1, weights: dict[str, float] | None = None, last: bool = False,
              refresh: bool = True, step: int = 10, copy_steps: dict[int, int] | None = None,
-             core: tuple[int, ...] | None = None):  # fmt: skip
-        """``core``: a round of the core dense weights only, these of ``dense[me]`` (default: a full one)."""
+             full: bool = True):  # fmt: skip
+        """``full``: a round of all the dense weights, else of the core ones (``ctx.core`` of ``dense[me]``)."""
         local, dense = self.experts[me], self.dense[me]
         w = {DENSE: 1.0, CORE: 1.0} | {expert_item(e): 1.0 for e in local} | (weights or {})
-        specs, sole = layout("t", me, local, self.view.holders, full=core is None)
-        like = {DENSE: dense, CORE: [dense[i] for i in core or ()]}
+        specs, sole = layout("t", me, local, self.view.holders, full)
+        like = {DENSE: dense, CORE: [dense[i] for i in self.ctx[me].core]}
         like |= {expert_item(e): self.copies[me][e] for e in local}
         groups = [(s, self.ctx[me].groups.get(s, like)) for s in specs]
         frozen = {e: self.copies[me][e] for e in range(N_EXPERTS) if e not in local}
         return RoundPlan(index, step, dense, {e: self.copies[me][e] for e in local}, frozen, w, groups, sole,
-                         None, last, refresh=refresh, copy_steps=copy_steps or {}, core=core or ())  # fmt: skip
+                         None, last, refresh=refresh, copy_steps=copy_steps or {})  # fmt: skip
 
     def round(self, plans: dict[str, RoundPlan], apart_s: float = 0.0, views: dict | None = None):
         """Each peer's round on a thread of its own, begun ``apart_s`` after the one before; with the

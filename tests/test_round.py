@@ -281,7 +281,7 @@ def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
         g = torch.Generator().manual_seed(i)
         swarm.dense[p] = [torch.randn(60, 50, generator=g), torch.randn(20, 50, generator=g)]
         swarm.ctx[p] = dataclasses.replace(swarm.ctx[p], core=(1,))  # as SwarmSync sets it
-    plans = {p: swarm.plan(p, index=1, refresh=False, core=(1,)) for p in peers}
+    plans = {p: swarm.plan(p, index=1, refresh=False, full=False) for p in peers}
     assert [spec for spec, _ in plans["a"].groups][0] == core_spec("t")
     core = swarm.round(plans)
     want = weighted_mean([(1.0, swarm.dense[p][1:]) for p in peers])[0]
@@ -304,7 +304,7 @@ def test_a_core_round_averages_the_core_dense_weights_in_a_group_of_their_own():
         assert core_id == dense_id == refs("a")[0][0]  # named by the full round, on every member
         assert torch.equal(core_ref["core"][0], full[p].dense[1][1])
     full_ids = {p: refs(p)[0][0] for p in peers}
-    again = swarm.round({p: swarm.plan(p, index=3, refresh=False, core=(1,)) for p in peers})
+    again = swarm.round({p: swarm.plan(p, index=3, refresh=False, full=False) for p in peers})
     for p in peers:
         assert again[p].record.rejected == [], again[p].record
         (dense_id, dense), (core_id, _) = refs(p)

@@ -5,7 +5,7 @@
     result = run_round(plan, ctx, members.view)    # never takes longer than timing.round_s (+ a last
     result.record.rejected                         # round's wait for its shared start); failures listed
 
-The dense weights (between full rounds with ``sync.embeddings_every``, the core ones: ``plan.core``) are
+The dense weights (between full rounds with ``sync.embeddings_every``, the core ones: ``ctx.core``) are
 averaged across the peers that show up and each group of local experts with the same holders among those
 holders (``group_layout``): with ``sync.aggregation: mean`` every item weighted by
 its tokens; with a robust rule every member equally, each one's pull bounded (``robust_mean``, reduced
@@ -84,9 +84,6 @@ class RoundPlan:
     slot: int | None = None
     # wall time: an ordinary round near a shared stop looks for members until then at most
     look_until: float | None = None
-    # where the core dense weights are in ``dense`` (``expert_tensors.core_index``): what a core group
-    # averages (``sync.embeddings_every``)
-    core: tuple[int, ...] = ()
 
 
 @dataclass
@@ -117,8 +114,9 @@ class RoundContext:
     # the swarm as the heartbeat thread sees it now (None: only the view a round starts with), so that a
     # round waiting for a member's digest can tell a member that died from one that is slow
     view_now: Callable[[], MembershipView] | None = None
-    # where the core dense weights are in the dense ones when the swarm averages them on their own
-    # (``sync.embeddings_every`` > 1): each dense group's result is the other's reference for them
+    # where the core dense weights are in the dense ones (``expert_tensors.core_index``) when the swarm averages
+    # them on their own (``sync.embeddings_every`` > 1): what a core group averages, and each dense group's
+    # result is the other's reference for them
     core: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -164,7 +162,7 @@ def run_round(plan: RoundPlan, ctx: RoundContext, view: MembershipView) -> Round
     rec = RoundRecord(step=plan.step, round=plan.index, last=plan.last, dense_group=1)  # until it runs
     rec.started_at = round(time.time() - (time.monotonic() - t0), 3)
     result = RoundResult(rec)
-    local = {DENSE: plan.dense, CORE: [plan.dense[i] for i in plan.core]}
+    local = {DENSE: plan.dense, CORE: [plan.dense[i] for i in ctx.core]}
     local |= {expert_item(e): ts for e, ts in plan.experts.items()}
     # served copies are final only once the holders have settled them after the last round (last_round)
     lagged = ctx.sync.lagged_refresh and not plan.last

@@ -177,7 +177,7 @@ class SwarmSync:
     def _groups(self, model: MoETransformer, specs) -> list:
         """The layout's groups, opened on first use (``OpenGroups``) with our tensors' shapes."""
         dense = dense_tensors(model)
-        local_tensors = {DENSE: dense, CORE: [dense[i] for i in core_index(model)]} | {
+        local_tensors = {DENSE: dense, CORE: [dense[i] for i in self.ctx.core]} | {
             expert_item(e): expert_tensors(model, e) for e in model.local_experts
         }
         return [(spec, self.ctx.groups.get(spec, local_tensors)) for spec in specs]
@@ -309,7 +309,6 @@ class SwarmSync:
             prematched=early.handles if early is not None else {},
             slot=slot,
             look_until=look_until,
-            core=core_index(model),
         )
         wait = 0.0 if scheduled is None else max(0.0, scheduled - time.time())
         self._in_flight_until = time.monotonic() + wait + self.timing.join_round_s
@@ -354,19 +353,16 @@ class SwarmSync:
         # (momentum buffers differ between peers that joined at different times)
         outer, applied = (PLAIN if result.record.last else self.outer), []
         if result.dense is not None:
-            self._outer(outer, DENSE, dense_tensors(model), *result.dense)
+            outer.apply_listed(DENSE, dense_tensors(model), *result.dense)
             applied.append(DENSE)
         if result.core is not None:  # the same outer state as those tensors' in a full dense round
-            dense, where = dense_tensors(model), core_index(model)
-            keys = [f"{DENSE}.{i}" for i in where]
-            views = [dict(zip(keys, ts, strict=True)) for ts in ([dense[i] for i in where], *result.core)]
-            outer.apply(*views)
+            outer.apply_listed(DENSE, dense_tensors(model), *result.core, where=self.ctx.core)
             applied.append(CORE)
         for e, (snap, avg) in result.experts.items():
             if e in model.local_experts and not (
                 avg is snap and outer.plain
             ):  # a sole holder's, plain: no-op
-                self._outer(outer, expert_item(e), expert_tensors(model, e), snap, avg)
+                outer.apply_listed(expert_item(e), expert_tensors(model, e), snap, avg)
                 applied.append(expert_item(e))
         with self.copies.lock:
             for e, tensors in result.downloads.items():
@@ -384,13 +380,6 @@ class SwarmSync:
         """New copies of these experts were written into the model, from these steps."""
         self.copy_steps |= {e: s for e, s in steps.items() if e in self.copy_steps}
         self.copies.update(self.copy_steps)
-
-    @staticmethod
-    def _outer(
-        outer: OuterStep, name: str, params: list[torch.Tensor], snap: list[torch.Tensor], avg
-    ) -> None:
-        keys = [f"{name}.{i}" for i in range(len(params))]
-        outer.apply(*(dict(zip(keys, ts, strict=True)) for ts in (params, snap, avg)))
 
     def close(self) -> None:
         """Leave now: withdraw, give a round in flight a moment, close every group. A round still running

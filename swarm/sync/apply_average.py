@@ -16,6 +16,8 @@ replica, the momentum acting on its own progress.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -23,7 +25,8 @@ class OuterStep:
     """Applies averages to named tensors; keeps an anchor and a momentum buffer per name unless plain.
 
     ``step = OuterStep(alpha=0.7, momentum=0.9)``; ``step.apply(params, snapshot, average)`` edits ``params``
-    in place; ``step.keep(prefixes)`` forgets the state of names that no longer exist (experts given up).
+    in place; ``step.apply_listed("dense", params, snapshot, average)`` does it for an item's tensors in order;
+    ``step.keep(prefixes)`` forgets the state of names that no longer exist (experts given up).
     """
 
     def __init__(self, alpha: float = 1.0, momentum: float = 0.0) -> None:
@@ -52,6 +55,22 @@ class OuterStep:
             host = torch.empty(p.shape, dtype=torch.float32, pin_memory=p.is_cuda)
             host.copy_(delta)
             p.add_(host.to(p.device, non_blocking=p.is_cuda).to(p.dtype))
+
+    def apply_listed(
+        self,
+        name: str,
+        params: Sequence[torch.Tensor],
+        snapshot: Sequence[torch.Tensor],
+        average: Sequence[torch.Tensor],
+        where: Sequence[int] | None = None,
+    ) -> None:
+        """``apply`` to an item's tensors in order, named "<name>.<position>"; ``where``: the positions in
+        ``params`` that ``snapshot`` and ``average`` hold (default: all), so that a part of the item keeps the
+        outer state of the whole's."""
+        where = range(len(params)) if where is None else where
+        keys = [f"{name}.{i}" for i in where]
+        parts = ([params[i] for i in where], snapshot, average)
+        self.apply(*(dict(zip(keys, ts, strict=True)) for ts in parts))
 
     def _delta(self, name: str, snap: torch.Tensor, avg: torch.Tensor) -> torch.Tensor:
         """What to add to the live weights: the new anchor minus the snapshot."""
