@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_table import alive, processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -416,26 +418,6 @@ def test_split_intervals_run_through_a_codec_and_merges(tiny_config):
     assert runs["coded"].val_loss != runs["plain"].val_loss
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.swarm
 def test_sigterm_stops_the_benchmark_and_the_swarm_it_started(tiny_config, tiny_data, tmp_path):
     """A swarm row's bootstrap and peers run in sessions of their own: SIGTERM to the benchmark stops them
@@ -454,16 +436,17 @@ def test_sigterm_stops_the_benchmark_and_the_swarm_it_started(tiny_config, tiny_
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(started) < 3:  # the bootstrap and both peers
             time.sleep(0.5)
-            started = _children(proc.pid) if (keep / "swarm" / "peer1.log").exists() else []
+            if (keep / "swarm" / "peer1.log").exists():
+                started = [pid for pid, (ppid, _) in processes().items() if ppid == proc.pid]
         assert len(started) == 3, (started, proc.poll())
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
-        assert not [pid for pid in started if _alive(pid)], started
+        assert not [pid for pid in started if alive(pid)], started
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for pid in started:  # on a failure: each child leads a session of its own (its p2pd with it)
-            if _alive(pid):
+            if alive(pid):
                 os.killpg(pid, signal.SIGKILL)

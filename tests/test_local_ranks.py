@@ -20,6 +20,7 @@ from swarm.net.p2p_sockets import p2p_sockets, remove_stale_p2p_sockets, stale_p
 from swarm.train.checkpoint import latest_checkpoint, load_checkpoint
 from swarm.train.metrics_log import read_metrics
 from tests.conftest import ROOT, peer_cmd, reap, round_records, swarm_peer_args, wait_until
+from tests.process_table import processes
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -37,17 +38,6 @@ def start_two_ranks(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(
             cmd, cwd=ROOT, env=ENV, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
-
-
-def processes() -> dict[int, tuple[int, int]]:
-    """``{pid: (parent pid, session id)}`` of every process (from /proc)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                out[int(d.name)] = (int(fields[1]), int(fields[3]))
-    return out
 
 
 def torchrun_sessions(proc: subprocess.Popen) -> set[int]:

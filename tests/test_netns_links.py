@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.netns_links import ShapedLan, check_can_shape
+from tests.process_table import alive
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -135,13 +136,6 @@ time.sleep(60)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:  # a zombie waiting for init counts as gone: it holds no descriptors
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_delay_line_dies_with_the_process_that_made_it_and_its_devices_with_it():
     from benchmarks.netns_links import remove_leftovers
 
@@ -154,9 +148,9 @@ def test_a_delay_line_dies_with_the_process_that_made_it_and_its_devices_with_it
         owner.kill()  # SIGKILL: no cleanup of its own
         owner.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while not _gone(line_pid) and time.monotonic() < deadline:
+        while alive(line_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(line_pid)
+        assert not alive(line_pid)
         assert not set(taps) & _links()  # the TAP devices went with the delay line's descriptors
         # what a later run finds and removes: the namespaces and the bridge
         assert set(named) <= set(remove_leftovers())

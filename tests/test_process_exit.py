@@ -7,6 +7,7 @@ import textwrap
 import threading
 
 from swarm.train.process_exit import exit_process, lingering_threads
+from tests.process_table import alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def test_abandoned_round_thread_does_not_turn_the_exit_into_an_abort(tmp_path):
         assert done.returncode == 3, done.stderr[-2000:]
         child_pid, said = done.stdout.split()[0], done.stdout.splitlines()[1]
         assert said == "checkpoint written"
-        assert not _alive(int(child_pid))  # the forked child went with it
+        assert not alive(int(child_pid))  # the forked child went with it
 
 
 def test_without_our_threads_the_code_is_returned_for_a_normal_exit():
@@ -57,11 +58,3 @@ def test_without_our_threads_the_code_is_returned_for_a_normal_exit():
     finally:
         other.set()
         t.join(timeout=5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
