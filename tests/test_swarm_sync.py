@@ -2,6 +2,7 @@
 agreement, on the in-memory network (no sockets; seconds)."""
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -322,3 +323,38 @@ def test_the_reply_says_how_many_peers_train_and_how_many_hold_our_experts():
     finally:
         for _, sync in peers.values():
             sync.close()
+
+
+def test_without_overlap_the_step_that_starts_a_round_returns_with_its_average_applied():
+    """``sync.overlap`` off: training waits for each round, so the sync point's own step applies it and
+    the replicas leave it equal (with overlap, that round would land at a later step, after more steps)."""
+    sync = dataclasses.replace(SYNC, overlap=False)
+    net = LocalNetwork(matchmaking_s=SYNC.matchmaking_s)
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate("ab")}
+    tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
+    after: dict[str, tuple] = {}
+
+    def train(me: str) -> None:
+        model, s = peers[me]
+        for step in range(1, SYNC.sync_every + 1):  # a round starts at the last of these steps
+            records = s.after_step(model, StepReport(step, 64 * step, 64, tokens, 1.0, steps_left=50)).records
+        after[me] = (records, [t.clone() for t in dense_tensors(model)])
+
+    threads = [threading.Thread(target=train, args=(me,)) for me in peers]
+    try:
+        for _ in range(2):  # the second time, every record is out: each view has both
+            for _, s in peers.values():
+                s.members.refresh(timeout=1.0)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        for me in peers:
+            (rec,) = after[me][0]
+            assert rec.started and rec.step == SYNC.sync_every and rec.clean and rec.dense_group == 2, rec
+            assert "dense" in rec.applied_groups and not peers[me][1].round_running(), rec
+        for got, want in zip(after["b"][1], after["a"][1], strict=True):
+            assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    finally:
+        for _, s in peers.values():
+            s.close()

@@ -8,7 +8,8 @@ Every ``sync_every`` steps (or, with ``sync_every_s``, at each new slot of the w
 once) a round (``swarm.net.round.run_round``) starts in a background thread on a
 snapshot of the trainable tensors while training goes on; its result is applied at a later step as
 theta <- theta + alpha * (a - s), keeping the steps taken meanwhile. A round that overruns its bound is
-abandoned, never awaited: the next sync point starts a new one.
+abandoned, never awaited: the next sync point starts a new one. With ``sync.overlap`` off, training waits
+for each round (at most its bound) and applies it before the next step.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ class SwarmSync:
                 else:
                     self.start_round(model, report.step, early=early)
                     early = None
+                    if not self.sc.overlap:  # training waits, and the next step starts from the average
+                        self.wait_for_round()
+                        records += self.apply_finished(model)
         if early is not None and report.last and not self.round_running():
             # met early, and our step limit came first: the others' all-reduce counts on us, so that round
             # goes on now (the last round waits for it); given up, it would leave them a partial all-reduce
