@@ -170,11 +170,14 @@ def test_rounds_on_the_wall_clock_meet_although_the_peers_step_counts_drift_apar
     assert all(60 - sa >= 5 and 24 - sb >= 5 for sa, sb in steps), steps
 
 
-def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_round_past_its_bound_is_abandoned_and_the_next_one_runs(overlap):
+    """Also when training waits for its rounds (``sync.overlap`` off): the wait ends at the round's bound."""
     net = LocalNetwork(
         matchmaking_s=SYNC.matchmaking_s, faults=[Fault("delay", peer="b", round=1, seconds=60.0)]
     )
-    peers = {me: peer(net, me, [i, i + 2], seed=i) for i, me in enumerate(["a", "b"])}
+    sync = dataclasses.replace(SYNC, overlap=overlap)
+    peers = {me: peer(net, me, [i, i + 2], seed=i, sync=sync) for i, me in enumerate(["a", "b"])}
     out = run(peers, steps=40)
     b = [rec for rec in out["b"] if rec.started]
     assert any("Timeout" in why for why in b[0].rejected) and b[0].sync_seconds <= SYNC.round_timeout_s + 1
