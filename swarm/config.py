@@ -210,13 +210,13 @@ class SyncConfig:
     # their members at the slot (on H100 peers over 100 Mbit/s that was 1.45x the payload's link time per
     # int8 round, median, against 1.32x met early; benchmarks/README.md)
     prematch_s: float = 2.0
-    # the outer learning rate: 1 with no momentum is plain averaging; above 1 the swarm's progress over a round
-    # is extrapolated (averaging N peers' Adam steps moves noisy coordinates less than Adam on N batches)
     # a round runs beside training and lands steps after its snapshot (theta + alpha (a - s)). False:
     # training waits for each ordinary round, at most its bound, and the next step starts from its result,
     # as in DiLoCo without streaming: no late landing, for the round's time. In process, averages landing 3
     # steps late cost 1.2% of the loss at the demo's spacing (benchmarks/README.md)
     overlap: bool = True
+    # the outer learning rate: 1 with no momentum is plain averaging; above 1 the swarm's progress over a round
+    # is extrapolated (averaging N peers' Adam steps moves noisy coordinates less than Adam on N batches)
     sync_alpha: float = 1.0
     outer_momentum: float = 0.0  # Nesterov outer momentum on (average - snapshot); 0 disables
     merge_warmup_steps: int = 0
