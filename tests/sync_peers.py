@@ -71,6 +71,14 @@ def train(
     out[me] = records
 
 
+def see_each_other(peers: dict) -> None:
+    """Every peer reads the swarm twice: by the second read every peer's record is out, so each view has
+    them all (the tests that drive ``after_step`` by hand, before any heartbeat period has passed)."""
+    for _ in range(2):
+        for _, sync in peers.values():
+            sync.members.refresh(timeout=1.0)
+
+
 def finished_rounds(peers: dict) -> dict:
     """Each peer's one round, once it has ended (the tests that drive ``after_step`` by hand)."""
     out = {}

@@ -15,7 +15,7 @@ from swarm.net.records import Heartbeat, publish_heartbeat
 from swarm.net.round_info import REFERENCES_DIFFER
 from swarm.sync.codecs import codec_named
 from swarm.train.sync_hook import Pools, StepReport
-from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run
+from tests.sync_peers import MODEL, SYNC, finished_rounds, peer, run, see_each_other
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -315,10 +315,7 @@ def test_the_reply_says_how_many_peers_train_and_how_many_hold_our_experts():
         {"a": [0, 1], "b": [0, 1], "c": [2, 3]}.items())}  # fmt: skip
     tokens = torch.zeros(MODEL.n_experts, dtype=torch.long)
     try:
-        for _, sync in peers.values():
-            sync.members.refresh(timeout=1.0)
-        for _, sync in peers.values():
-            sync.members.refresh(timeout=1.0)  # now every record is out: each view has all four
+        see_each_other(peers)  # each view has all four
         pools = {
             me: s.after_step(m, StepReport(1, 64, 64, tokens, 1.0)).pools for me, (m, s) in peers.items()
         }
@@ -345,9 +342,7 @@ def test_without_overlap_the_step_that_starts_a_round_returns_with_its_average_a
 
     threads = [threading.Thread(target=train, args=(me,)) for me in peers]
     try:
-        for _ in range(2):  # the second time, every record is out: each view has both
-            for _, s in peers.values():
-                s.members.refresh(timeout=1.0)
+        see_each_other(peers)
         for t in threads:
             t.start()
         for t in threads:
