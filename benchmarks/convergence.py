@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--average-embeddings-every", type=int, default=0, metavar="N",
                     help="the every_step rows average the token embeddings and output head every N steps, "
                          "the rest of the dense weights every --average-every (default: with them)")  # fmt: skip
+    ap.add_argument("--average-early", type=_every_until, default=(0, 0), metavar="EVERY,UNTIL",
+                    help="the every_step rows average the dense weights every EVERY steps up to step UNTIL, "
+                         "then every --average-every (default: every --average-every throughout)")  # fmt: skip
     ap.add_argument("--average-delay", type=int, default=0, metavar="N",
                     help="the every_step rows' averages land N steps after their snapshots, the steps "
                          "taken meanwhile kept, as rounds in the background do (default 0)")  # fmt: skip
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     embeddings = args.average_embeddings_every not in (0, args.average_every)
     if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless, embeddings):
         ap.error(why)
+    if args.average_early[0] and embeddings:
+        ap.error("--average-early sets the interval of all dense weights: not with --average-embeddings-every")
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                                          experts_every=args.average_experts_every,
                                          delay=args.average_delay,
                                          pooled_moment=args.average_pooled_moment,
-                                         embeddings_every=args.average_embeddings_every)  # fmt: skip
+                                         embeddings_every=args.average_embeddings_every,
+                                         early=args.average_early)  # fmt: skip
                 else:
                     if name == "diloco_bytes":
                         diloco_scale = _scale_for_equal_bytes({k: v[-1] for k, v in runs.items()})
@@ -245,6 +251,17 @@ def _alpha_momentum(text: str) -> tuple[float, float]:
     except ValueError as e:  # ConfigError: one line naming the key
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return alpha, momentum
+
+
+def _every_until(text: str) -> tuple[int, int]:
+    """``EVERY,UNTIL``: two whole numbers of steps, each at least 1."""
+    try:
+        every, until = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected EVERY,UNTIL, like 2,80") from None
+    if every < 1 or until < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: EVERY and UNTIL must be at least 1")
+    return every, until
 
 
 def parse_row_sets(items: list[str]) -> dict[str, list[str]]:

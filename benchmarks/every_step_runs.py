@@ -37,7 +37,8 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
                    device: str = "cpu", codec: str = "fp32", dense_codec: str = "",
                    outer: tuple[float, float] = (1.0, 0.0), merge: bool = False,
                    experts_every: int = 0, delay: int = 0, moments: bool = False, draw: int = 0,
-                   pooled_moment: bool = False, embeddings_every: int = 0) -> RunResult:  # fmt: skip
+                   pooled_moment: bool = False, embeddings_every: int = 0,
+                   early: tuple[int, int] = (0, 0)) -> RunResult:  # fmt: skip
     """The ceiling of parameter averaging: ``peers`` copies of our model, each with its own AdamW on its own
     windows (the swarm's batches), averaged after every optimizer step (``every``: every that many steps),
     in this process (no network, no waiting, no stale results). A swarm that averages every few steps, while
@@ -60,7 +61,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     batch's two halves, its second moment the pooled batch's (a pool of ``peers`` for the dense weights, of
     the holders for an expert). ``embeddings_every`` (default ``every``): the token embeddings and output
     head (``EMBEDDINGS``) are averaged on an interval of their own, ``every`` then being that of the rest of
-    the dense weights (attention, norms, routers); plain averages only."""
+    the dense weights (attention, norms, routers); plain averages only. ``early`` (every, until): the dense
+    weights are averaged every ``early[0]`` steps up to step ``early[1]``, then every ``every`` (a schedule
+    that spends more rounds while the learning rate is at its peak); not with ``embeddings_every``."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import (
@@ -86,6 +89,9 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         experts_every != every, delay, outer != (1.0, 0.0), merge, lossless, split_embeddings
     ):
         raise ValueError(why)
+    early_every, early_until = early
+    if early_every and (split_embeddings or early_every < 1 or early_until < 1):
+        raise ValueError("early: EVERY and UNTIL at least 1, and not with embeddings_every")
     if moments and (
         own_experts
         or outer != (1.0, 0.0)
@@ -138,6 +144,8 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
         dense_due, experts_due, embeddings_due = (
             (step + 1) % n == 0 or step + 1 == steps for n in (every, experts_every, embeddings_every)
         )
+        if early_every and step + 1 <= early_until:
+            dense_due = embeddings_due = (step + 1) % early_every == 0 or dense_due
         if late and step + 1 < steps:
             if dense_due or experts_due:
                 late.start(models, step + 1, dense=dense_due, experts=experts_due)
@@ -162,6 +170,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     name = ("every_step_spes" if own_experts else "every_step") + ("" if every == 1 else f"_every_{every}")
     name += f"_experts_every_{experts_every}" if experts_every != every else ""
     name += f"_embeddings_every_{embeddings_every}" if split_embeddings else ""
+    name += f"_early_{early_every}_until_{early_until}" if early_every else ""
     name += f"_late_{delay}" if delay else ""
     if outer != (1.0, 0.0):
         name += f"_outer_{outer[0]:g}_{outer[1]:g}"

@@ -358,6 +358,9 @@ def test_merged_replicas_with_owners_move_only_their_own_experts():
         ["--average-embeddings-every", "4", "--average-codec", "int8"],
         ["--average-embeddings-every", "4", "--average-delay", "1"],
         ["--average-embeddings-every", "-1"],
+        ["--average-early", "2,0"],
+        ["--average-early", "2"],
+        ["--average-early", "1,40", "--average-embeddings-every", "4"],
     ],
 )
 def test_convergence_refuses_in_process_settings_it_does_not_model(flags, capsys):
@@ -397,6 +400,24 @@ def test_replicas_average_the_embeddings_apart_from_the_other_dense_weights(tiny
     res = run_every_step(cfg, 4, peers=2, eval_every=4, every=1, own_experts=True, embeddings_every=2)
     assert res.name == "every_step_spes_embeddings_every_2"
     assert math.isfinite(res.val_loss) and 0 < res.val_loss < 8.0, res
+
+
+def test_an_early_schedule_averages_the_dense_weights_more_often_up_to_its_step(tiny_config):
+    """``--average-early EVERY,UNTIL``: dense averages every step up to the last step are the row with the
+    dense weights averaged every step, to the last digit; a schedule that ends earlier takes a path of its
+    own, neither that row's nor the plain interval's."""
+    from benchmarks.every_step_runs import run_every_step
+    from swarm.config import load_config
+
+    cfg = load_config(tiny_config)
+    runs = {
+        early: run_every_step(cfg, 4, peers=2, eval_every=4, every=4, own_experts=True, early=early)
+        for early in [(0, 0), (1, 4), (1, 2)]
+    }
+    every_step = run_every_step(cfg, 4, peers=2, eval_every=4, every=1, own_experts=True, experts_every=4)
+    assert runs[(1, 4)].name == "every_step_spes_every_4_early_1_until_4"
+    assert runs[(1, 4)].val_loss == every_step.val_loss
+    assert len({r.val_loss for r in runs.values()}) == 3
 
 
 def test_split_intervals_run_through_a_codec_and_merges(tiny_config):
