@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless, embeddings):
         ap.error(why)
     if args.average_early[0] and embeddings:
-        ap.error("--average-early sets the interval of all dense weights: not with --average-embeddings-every")
+        ap.error(
+            "--average-early sets the interval of all dense weights: not with --average-embeddings-every"
+        )
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:
