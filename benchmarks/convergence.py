@@ -185,12 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     split = args.average_experts_every not in (0, args.average_every)
     outer = args.average_outer != (1.0, 0.0)
     embeddings = args.average_embeddings_every not in (0, args.average_every)
-    if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless, embeddings):
+    early = args.average_early[0] != 0
+    if why := unmodelled(split, args.average_delay, outer, args.average_merge, lossless, embeddings, early):
         ap.error(why)
-    if args.average_early[0] and embeddings:
-        ap.error(
-            "--average-early sets the interval of all dense weights: not with --average-embeddings-every"
-        )
     try:
         row_sets = parse_row_sets(args.row_set)
     except ValueError as e:

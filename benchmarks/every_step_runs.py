@@ -18,10 +18,12 @@ from benchmarks.convergence_runs import RunResult, heldout_loss, hf_model_from
 
 
 def unmodelled(split: bool, delay: int, outer: bool, merge: bool, lossless: bool,
-               embeddings: bool = False) -> str:  # fmt: skip
+               embeddings: bool = False, early: bool = False) -> str:  # fmt: skip
     """Why ``run_every_step`` cannot model a combination of its settings (``--average-*``), or "": an outer
     step takes no lossy codec and no split intervals, late averages and embeddings on an interval of their
-    own plain averaging only."""
+    own plain averaging only, and an early schedule sets the interval of all the dense weights."""
+    if early and embeddings:
+        return "--average-early sets the interval of all dense weights: not with --average-embeddings-every"
     if embeddings and (outer or merge or delay or not lossless):
         return "--average-embeddings-every averages plainly: no codec, outer step, delay or merge"
     if outer and not lossless:
@@ -63,7 +65,7 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     head (``EMBEDDINGS``) are averaged on an interval of their own, ``every`` then being that of the rest of
     the dense weights (attention, norms, routers); plain averages only. ``early`` (every, until): the dense
     weights are averaged every ``early[0]`` steps up to step ``early[1]``, then every ``every`` (a schedule
-    that spends more rounds while the learning rate is at its peak); not with ``embeddings_every``."""
+    that spends more rounds while the learning rate is at its peak)."""
     from benchmarks.coded_average import CodedAverage
     from benchmarks.outer_average import OuterAverage
     from benchmarks.replica_rounds import (
@@ -85,13 +87,19 @@ def run_every_step(cfg, steps: int, peers: int, eval_every: int, every: int = 1,
     lossless, experts_every = experts.lossless and dense.lossless, experts_every or every
     embeddings_every = embeddings_every or every
     split_embeddings = embeddings_every != every
+    early_every, early_until = early
     if why := unmodelled(
-        experts_every != every, delay, outer != (1.0, 0.0), merge, lossless, split_embeddings
+        experts_every != every,
+        delay,
+        outer != (1.0, 0.0),
+        merge,
+        lossless,
+        split_embeddings,
+        early_every != 0,
     ):
         raise ValueError(why)
-    early_every, early_until = early
-    if early_every and (split_embeddings or early_every < 1 or early_until < 1):
-        raise ValueError("early: EVERY and UNTIL at least 1, and not with embeddings_every")
+    if early_every and min(early_every, early_until) < 1:
+        raise ValueError("early: EVERY and UNTIL must be at least 1")
     if moments and (
         own_experts
         or outer != (1.0, 0.0)
